@@ -1,0 +1,47 @@
+# Two commands for a newcomer:  `make book` (set up, build the site)  and  `make test` (every test CI runs).
+PYTHON ?= python3
+VENV   ?= .venv
+# torch is installed first and on its own, so that nothing later pulls a different build.
+# On a CPU-only machine with the CPU wheel at hand (CI) this is that wheel; elsewhere PyPI's default build.
+TORCH  ?= torch==2.13.0
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv book test unit notebooks hygiene site lint gpu-run clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[book,dev]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+book: $(STAMP) site
+	@echo "The book is built: open $(CURDIR)/_build/html/index.html"
+
+test: $(STAMP) unit notebooks hygiene site
+
+unit:
+	$(BIN)/python -m pytest tests -q
+
+# Every chapter, top to bottom in a fresh kernel, in the tiny profile (CPU-sized models).
+notebooks:
+	GPUBOOK_PROFILE=tiny MPLBACKEND=Agg $(BIN)/python -m pytest --nbval-lax --nbval-current-env -q -p no:cacheprovider notebooks
+
+hygiene:
+	$(BIN)/python scripts/check_notebooks.py notebooks
+
+site:
+	$(BIN)/jupyter-book build . --warningiserror --nitpick --keep-going
+
+lint:
+	$(BIN)/ruff check helpers tests scripts
+
+# Maintainers, on a GPU machine: execute the chapters in the full profile, in place, then check them.
+gpu-run:
+	$(PYTHON) scripts/execute_notebooks.py notebooks/*.ipynb
+
+clean:
+	rm -rf _build

@@ -1,0 +1,120 @@
+"""Datasets that need no download.
+
+- ``dummy_dataset``: the seeds' random token ids with random labels, for measuring memory and time
+  (what is learned does not matter there).
+- ``markov_lm_dataset``: sequences from a fixed random Markov chain in which every token has
+  ``branching`` equally likely successors. A causal LM can learn it, and the best possible loss is
+  known exactly: ``log(branching)`` nats per token (``markov_loss_floor``), so loss curves mean something.
+- ``keyword_dataset``: sequence classification, label 1 when a keyword token occurs anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from datasets import Dataset
+
+
+def _check_sizes(n_samples: int, seq_len: int) -> None:
+    if n_samples <= 0:
+        raise ValueError(f"n_samples must be positive, got {n_samples}")
+    if seq_len <= 1:
+        raise ValueError(f"seq_len must be at least 2, got {seq_len}")
+
+
+def dummy_dataset(
+    n_samples: int,
+    seq_len: int,
+    *,
+    low: int = 100,
+    high: int = 30000,
+    task: str = "classification",
+    num_labels: int = 2,
+    seed: int = 0,
+) -> Dataset:
+    """Random ``input_ids`` in ``[low, high)`` with random labels, as a torch-format ``Dataset``.
+
+    ``task="classification"``: one label per sample in ``[0, num_labels)`` (the seeds' setup).
+    ``task="causal-lm"``: ``labels`` equal to ``input_ids`` (the model shifts them itself).
+    """
+    _check_sizes(n_samples, seq_len)
+    if not 0 <= low < high:
+        raise ValueError(f"need 0 <= low < high, got low={low}, high={high}")
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(low, high, size=(n_samples, seq_len), dtype=np.int64)
+    if task == "classification":
+        labels = rng.integers(0, num_labels, size=n_samples, dtype=np.int64)
+    elif task == "causal-lm":
+        labels = ids.copy()
+    else:
+        raise ValueError(f"task must be 'classification' or 'causal-lm', got {task!r}")
+    ds = Dataset.from_dict({"input_ids": ids, "labels": labels})
+    ds.set_format("torch")
+    return ds
+
+
+def markov_transitions(vocab_used: int, branching: int, seed: int = 0) -> np.ndarray:
+    """The chain: row ``i`` lists the ``branching`` tokens that may follow token ``i``."""
+    if not 1 <= branching <= vocab_used:
+        raise ValueError(f"need 1 <= branching <= vocab_used, got {branching} and {vocab_used}")
+    rng = np.random.default_rng(seed)
+    return np.stack([rng.choice(vocab_used, size=branching, replace=False) for _ in range(vocab_used)])
+
+
+def markov_loss_floor(branching: int) -> float:
+    """The lowest achievable mean cross-entropy (nats/token) on ``markov_lm_dataset``."""
+    return math.log(branching)
+
+
+def markov_lm_dataset(
+    n_samples: int,
+    seq_len: int,
+    *,
+    vocab_used: int = 64,
+    branching: int = 4,
+    offset: int = 100,
+    seed: int = 0,
+) -> Dataset:
+    """Causal-LM sequences from a fixed Markov chain over ``vocab_used`` token ids from ``offset``.
+
+    The chain (``markov_transitions(vocab_used, branching, seed)``) is the same for every sample;
+    the samples differ in their random start and choices (drawn with ``seed + 1``).
+    """
+    _check_sizes(n_samples, seq_len)
+    nxt = markov_transitions(vocab_used, branching, seed)
+    rng = np.random.default_rng(seed + 1)
+    seqs = np.empty((n_samples, seq_len), dtype=np.int64)
+    seqs[:, 0] = rng.integers(0, vocab_used, size=n_samples)
+    choices = rng.integers(0, branching, size=(n_samples, seq_len - 1))
+    for t in range(1, seq_len):
+        seqs[:, t] = nxt[seqs[:, t - 1], choices[:, t - 1]]
+    ids = seqs + offset
+    ds = Dataset.from_dict({"input_ids": ids, "labels": ids.copy()})
+    ds.set_format("torch")
+    return ds
+
+
+def keyword_dataset(
+    n_samples: int,
+    seq_len: int,
+    *,
+    keyword: int = 2023,
+    low: int = 100,
+    high: int = 30000,
+    seed: int = 0,
+) -> Dataset:
+    """Classification: label 1 when ``keyword`` occurs in the sequence (half the samples), else 0."""
+    _check_sizes(n_samples, seq_len)
+    if not low <= keyword < high:
+        raise ValueError(f"keyword must lie in [low, high), got {keyword}")
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(low, high - 1, size=(n_samples, seq_len), dtype=np.int64)
+    ids[ids >= keyword] += 1  # random tokens never equal the keyword
+    labels = (np.arange(n_samples) % 2).astype(np.int64)
+    rng.shuffle(labels)
+    where = rng.integers(0, seq_len, size=n_samples)
+    ids[labels == 1, where[labels == 1]] = keyword
+    ds = Dataset.from_dict({"input_ids": ids, "labels": labels})
+    ds.set_format("torch")
+    return ds

@@ -1,0 +1,78 @@
+"""The environment report printed at the top of every chapter, and Colab detection.
+
+The report reads the GPU through NVML, so printing it does not create a CUDA context: chapter 1
+measures the context's cost afterwards and needs a clean start.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import sys
+
+import pandas as pd
+import torch
+
+from helpers import profile as _profile
+
+PACKAGES = ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "datasets")
+
+
+def is_colab() -> bool:
+    """True inside Google Colab."""
+    return "google.colab" in sys.modules
+
+
+def package_version(name: str) -> str:
+    """Installed version of a distribution, or ``"not installed"`` (without importing it)."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def gpu_info(index: int = 0) -> dict[str, str | float] | None:
+    """Name, total memory (GiB) and driver of GPU ``index`` via NVML; ``None`` without one."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        if pynvml.nvmlDeviceGetCount() <= index:
+            return None
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        name = pynvml.nvmlDeviceGetName(handle)
+        name = name.decode() if isinstance(name, bytes) else name
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        driver = driver.decode() if isinstance(driver, bytes) else driver
+        total = pynvml.nvmlDeviceGetMemoryInfo(handle).total
+        return {
+            "name": name,
+            "memory_gib": round(total / 2**30, 1),
+            "driver": driver,
+            "count": pynvml.nvmlDeviceGetCount(),
+        }
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def report(prof: _profile.Profile | None = None) -> pd.DataFrame:
+    """Where this run's outputs came from: hardware, versions and the profile, as a table."""
+    prof = prof or _profile.get()
+    gpu = gpu_info() if _profile.cuda_available() else None
+    rows: dict[str, str] = {}
+    if gpu:
+        rows["GPU"] = f"{gpu['count']} x {gpu['name']}, {gpu['memory_gib']} GiB each"
+        rows["NVIDIA driver"] = str(gpu["driver"])
+        rows["CUDA (torch build)"] = str(torch.version.cuda)
+    else:
+        rows["GPU"] = "none (CPU run)"
+    rows["CPU"] = platform.processor() or platform.machine()
+    rows["Python"] = platform.python_version()
+    for name in PACKAGES:
+        rows[name] = package_version(name)
+    rows["profile"] = f"{prof.name} (set {_profile.ENV_VAR}=tiny|full to override)"
+    rows["Colab"] = "yes" if is_colab() else "no"
+    return pd.DataFrame({"value": rows})

@@ -1,0 +1,185 @@
+"""Offline model builders: a registry of real architectures, each with a ``tiny`` twin.
+
+Nothing here downloads anything unless ``load_real_weights`` is called on purpose. Models are built
+from configs with random weights; where a chapter must show the real ``from_pretrained`` path
+(quantized loading, adapters), ``save_checkpoint`` writes a local checkpoint first.
+
+>>> model = build("bert-large-uncased", head="sequence-classification", dtype=torch.bfloat16)
+>>> model = build("polyglot-ko-1.3b", profile="tiny", head="causal-lm")
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+from torch import nn
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    BertConfig,
+    GPTNeoXConfig,
+    PretrainedConfig,
+)
+
+from helpers import profile as _profile
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One registry entry: the hub id of the real model, its config, and the tiny twin's overrides."""
+
+    hub_id: str
+    config_class: type[PretrainedConfig]
+    full: dict
+    tiny: dict
+    heads: tuple[str, ...]
+
+
+REGISTRY: dict[str, ModelSpec] = {
+    # The seeds' model: BERT-large, 24 layers, hidden 1024, 16 heads (335M with a classifier head).
+    "bert-large-uncased": ModelSpec(
+        hub_id="google-bert/bert-large-uncased",
+        config_class=BertConfig,
+        full=dict(
+            vocab_size=30522, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+            intermediate_size=4096, max_position_embeddings=512,
+        ),
+        tiny=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512),
+        heads=("sequence-classification", "base"),
+    ),
+    # The LLM book's model, EleutherAI/polyglot-ko-1.3b: GPT-NeoX, 24 layers, hidden 2048, 1.33B.
+    "polyglot-ko-1.3b": ModelSpec(
+        hub_id="EleutherAI/polyglot-ko-1.3b",
+        config_class=GPTNeoXConfig,
+        full=dict(
+            vocab_size=30080, hidden_size=2048, num_hidden_layers=24, num_attention_heads=16,
+            intermediate_size=8192, max_position_embeddings=2048, rotary_pct=0.5,
+            use_parallel_residual=True, tie_word_embeddings=False,
+        ),
+        tiny=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512),
+        heads=("causal-lm", "sequence-classification", "base"),
+    ),
+}
+
+_HEAD_CLASSES = {
+    "causal-lm": AutoModelForCausalLM,
+    "sequence-classification": AutoModelForSequenceClassification,
+    "base": AutoModel,
+}
+ATTENTION = ("eager", "sdpa")
+
+
+def spec(name: str) -> ModelSpec:
+    """The registry entry for ``name``; a ``ValueError`` lists the known names otherwise."""
+    if name not in REGISTRY:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(REGISTRY)}")
+    return REGISTRY[name]
+
+
+def config(name: str, profile: str | None = None, **overrides) -> PretrainedConfig:
+    """The config of ``name`` in the given profile (default: the current one), with overrides."""
+    entry = spec(name)
+    prof = _profile.validate(profile) if profile is not None else _profile.get().name
+    kwargs = dict(entry.full)
+    if prof == "tiny":
+        kwargs.update(entry.tiny)
+    kwargs.update(overrides)
+    return entry.config_class(**kwargs)
+
+
+def build(
+    name: str,
+    *,
+    profile: str | None = None,
+    head: str = "base",
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+    device: str | torch.device | None = None,
+    seed: int = 0,
+    **config_overrides,
+) -> nn.Module:
+    """Build ``name`` with random weights (seeded), directly on ``device`` and in ``dtype``.
+
+    ``head``: ``"causal-lm"``, ``"sequence-classification"`` or ``"base"``.
+    ``attn_implementation``: ``"sdpa"`` (PyTorch's fused attention) or ``"eager"`` (plain matmuls
+    that store the attention matrix). ``device`` defaults to the profile's device; ``"meta"`` builds
+    the structure with no memory, to count parameters of any size.
+    """
+    entry = spec(name)
+    if head not in entry.heads:
+        raise ValueError(f"{name} has no {head!r} head here; choose one of {', '.join(entry.heads)}")
+    if attn_implementation not in ATTENTION:
+        raise ValueError(f"attn_implementation must be one of {', '.join(ATTENTION)}, got {attn_implementation!r}")
+    cfg = config(name, profile, **config_overrides)
+    device = device if device is not None else _profile.get().device
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = _HEAD_CLASSES[head].from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
+    return model
+
+
+def n_params(model: nn.Module) -> int:
+    """Number of parameters (shared ones once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def summary(head: str | None = None) -> pd.DataFrame:
+    """Parameter counts of every registry model, full size and tiny twin (built on ``meta``)."""
+    rows = []
+    for name, entry in REGISTRY.items():
+        h = head if head in entry.heads else entry.heads[0]
+        full = build(name, profile="full", head=h, device="meta")
+        tiny = build(name, profile="tiny", head=h, device="meta")
+        rows.append(
+            {
+                "model": name, "head": h, "layers": full.config.num_hidden_layers,
+                "hidden": full.config.hidden_size, "params_full": n_params(full),
+                "params_tiny": n_params(tiny),
+            }
+        )
+    return pd.DataFrame(rows).set_index("model")
+
+
+def save_checkpoint(model: nn.Module, path: str | Path) -> Path:
+    """Save ``model`` as a local Hugging Face checkpoint (safetensors + config) and return its path.
+
+    The real ``from_pretrained`` path (quantized loading, peft adapters) can then be shown offline::
+
+        path = save_checkpoint(build("polyglot-ko-1.3b", head="causal-lm"), "ckpt/polyglot")
+        AutoModelForCausalLM.from_pretrained(path, quantization_config=...)
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    return path
+
+
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """True when huggingface.co answers within ``timeout_s`` (and offline mode is not set)."""
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        return False
+    try:
+        urllib.request.urlopen("https://huggingface.co", timeout=timeout_s)
+        return True
+    except Exception:
+        return False
+
+
+def load_real_weights(name: str, *, head: str = "base", dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Download and load the real pretrained weights of ``name``. Only when asked, only online.
+
+    The book never needs this (memory and time do not depend on the weights' values); it is here
+    for readers in Colab who want to fine-tune the real model after a chapter.
+    """
+    entry = spec(name)
+    if head not in entry.heads:
+        raise ValueError(f"{name} has no {head!r} head here; choose one of {', '.join(entry.heads)}")
+    if not hub_reachable():
+        raise RuntimeError(f"cannot load {entry.hub_id}: the Hugging Face hub is not reachable from here")
+    return _HEAD_CLASSES[head].from_pretrained(entry.hub_id, dtype=dtype)

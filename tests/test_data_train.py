@@ -1,0 +1,72 @@
+import math
+
+import pytest
+import torch
+
+from helpers import data, models, train
+
+
+def test_dummy_dataset_shapes_ranges_and_seed():
+    ds = data.dummy_dataset(16, 32, seed=3)[:]
+    assert ds["input_ids"].shape == (16, 32)
+    assert ds["input_ids"].dtype == torch.int64
+    assert int(ds["input_ids"].min()) >= 100 and int(ds["input_ids"].max()) < 30000
+    assert set(ds["labels"].tolist()) <= {0, 1}
+    assert torch.equal(ds["input_ids"], data.dummy_dataset(16, 32, seed=3)[:]["input_ids"])
+    lm = data.dummy_dataset(4, 8, task="causal-lm")[:]
+    assert torch.equal(lm["input_ids"], lm["labels"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(n_samples=0, seq_len=8), "n_samples must be positive"),
+        (dict(n_samples=-4, seq_len=8), "n_samples must be positive"),
+        (dict(n_samples=4, seq_len=1), "seq_len must be at least 2"),
+        (dict(n_samples=4, seq_len=8, task="qa"), "task must be"),
+        (dict(n_samples=4, seq_len=8, low=10, high=5), "low < high"),
+    ],
+)
+def test_dummy_dataset_bad_input(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        data.dummy_dataset(**kwargs)
+
+
+def test_markov_sequences_follow_the_chain():
+    nxt = data.markov_transitions(16, 3, seed=5)
+    ds = data.markov_lm_dataset(8, 20, vocab_used=16, branching=3, offset=100, seed=5)[:]
+    ids = ds["input_ids"] - 100
+    for row in ids:
+        for a, b in zip(row[:-1].tolist(), row[1:].tolist(), strict=True):
+            assert b in nxt[a]
+    assert data.markov_loss_floor(3) == pytest.approx(math.log(3))
+
+
+def test_keyword_dataset_labels_mean_what_they_say():
+    ds = data.keyword_dataset(64, 16, keyword=500, seed=2)[:]
+    has = (ds["input_ids"] == 500).any(dim=1).long()
+    assert torch.equal(has, ds["labels"])
+    assert int(ds["labels"].sum()) == 32
+
+
+def test_markov_task_is_learnable():
+    """A tiny GPT-NeoX gets well below the uniform loss, toward the known floor."""
+    torch.manual_seed(0)
+    ds = data.markov_lm_dataset(256, 32, vocab_used=32, branching=2, seed=0)
+    model = models.build("polyglot-ko-1.3b", profile="tiny", head="causal-lm", device="cpu",
+                         vocab_size=256, seed=0)
+    losses = train.fit(model, ds, steps=120, batch_size=16, lr=3e-3)
+    assert len(losses) == 120
+    start, end = sum(losses[:5]) / 5, sum(losses[-10:]) / 10
+    assert start > math.log(32)  # starts above a uniform guess over the used tokens
+    assert end < 0.5 * start
+    assert end < data.markov_loss_floor(2) + 0.5
+
+
+def test_fit_rejects_bad_arguments():
+    ds = data.dummy_dataset(4, 8)
+    model = models.build("bert-large-uncased", profile="tiny", head="sequence-classification", device="cpu")
+    with pytest.raises(ValueError, match="steps must be positive"):
+        train.fit(model, ds, steps=0, batch_size=2)
+    with pytest.raises(ValueError, match="batch_size must be positive"):
+        train.fit(model, ds, steps=1, batch_size=-1)

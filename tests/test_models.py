@@ -1,0 +1,73 @@
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from helpers import models
+
+
+def test_full_sizes_match_the_real_models():
+    df = models.summary()
+    # bert-large-uncased with a 2-label classifier; polyglot-ko-1.3b as published (1,331,810,304)
+    assert df.loc["bert-large-uncased", "params_full"] == 335_143_938
+    assert df.loc["polyglot-ko-1.3b", "params_full"] == 1_331_810_304
+    assert (df["params_tiny"] < 10_000_000).all()
+
+
+def test_tiny_twin_keeps_the_architecture():
+    full = models.config("polyglot-ko-1.3b", "full")
+    tiny = models.config("polyglot-ko-1.3b", "tiny")
+    assert type(full) is type(tiny)
+    assert tiny.vocab_size == full.vocab_size
+    assert tiny.rope_parameters == full.rope_parameters == {"rope_theta": 10000.0, "partial_rotary_factor": 0.5, "rope_type": "default"}
+    assert tiny.hidden_size < full.hidden_size
+
+
+def test_build_dtype_attention_device_and_seed():
+    a = models.build("bert-large-uncased", profile="tiny", head="sequence-classification",
+                     dtype=torch.bfloat16, attn_implementation="eager", device="cpu", seed=1)
+    b = models.build("bert-large-uncased", profile="tiny", head="sequence-classification",
+                     dtype=torch.bfloat16, attn_implementation="eager", device="cpu", seed=1)
+    assert next(a.parameters()).dtype == torch.bfloat16
+    assert a.config._attn_implementation == "eager"
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+
+
+def test_forward_of_tiny_causal_lm_gives_a_loss():
+    model = models.build("polyglot-ko-1.3b", profile="tiny", head="causal-lm", device="cpu")
+    ids = torch.randint(100, 1000, (2, 16))
+    out = model(input_ids=ids, labels=ids)
+    assert out.logits.shape == (2, 16, 30080)
+    assert torch.isfinite(out.loss)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(name="gpt-17"), "unknown model 'gpt-17'; known: bert-large-uncased, polyglot-ko-1.3b"),
+        (dict(name="bert-large-uncased", head="causal-lm"), "has no 'causal-lm' head"),
+        (dict(name="bert-large-uncased", attn_implementation="flash"), "attn_implementation must be"),
+        (dict(name="bert-large-uncased", profile="medium"), "unknown profile"),
+    ],
+)
+def test_bad_input_is_a_clear_error(kwargs, message):
+    name = kwargs.pop("name")
+    with pytest.raises(ValueError, match=message):
+        models.build(name, device="meta", **kwargs)
+
+
+def test_checkpoint_roundtrip_through_from_pretrained(tmp_path):
+    model = models.build("polyglot-ko-1.3b", profile="tiny", head="causal-lm", device="cpu")
+    path = models.save_checkpoint(model, tmp_path / "ckpt")
+    assert (path / "config.json").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(path)
+    ids = torch.randint(100, 1000, (1, 8))
+    model.eval()
+    loaded.eval()
+    assert torch.allclose(model(ids).logits, loaded(ids).logits)
+
+
+def test_real_weights_refused_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(RuntimeError, match="not reachable"):
+        models.load_real_weights("bert-large-uncased")
