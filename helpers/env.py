@@ -7,8 +7,11 @@ measures the context's cost afterwards and needs a clean start.
 from __future__ import annotations
 
 import importlib.metadata
+import logging
+import os
 import platform
 import sys
+import warnings
 
 import pandas as pd
 import torch
@@ -76,3 +79,22 @@ def report(prof: _profile.Profile | None = None) -> pd.DataFrame:
     rows["profile"] = f"{prof.name} (set {_profile.ENV_VAR}=tiny|full to override)"
     rows["Colab"] = "yes" if is_colab() else "no"
     return pd.DataFrame({"value": rows})
+
+
+def _short_warning(message, category, filename, lineno, line=None) -> str:
+    return f"{category.__name__}: {message}\n"
+
+
+def quiet() -> None:
+    """Keep notebook outputs about the lesson, the same on every machine. Call before other imports.
+
+    - Python warnings still show, but as ``Category: message``, without the machine's file paths;
+    - tqdm's "IProgress not found" notice (no ipywidgets) is dropped;
+    - transformers and bitsandbytes log errors only (``TRANSFORMERS_VERBOSITY=error``; the
+      ``bitsandbytes`` logger at ERROR), and ``datasets`` shows no progress bars.
+    """
+    warnings.formatwarning = _short_warning
+    warnings.filterwarnings("ignore", message="IProgress not found")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)

@@ -27,6 +27,9 @@ from helpers.profile import require_cuda
 
 MIB = 2**20
 GIB = 2**30
+# A Tesla T4 (Colab's free GPU) as the CUDA driver reports it to programs ("deviceMemorySize: 14.75GiB").
+# nvidia-smi shows more (15,360 MiB), part of which the driver keeps for itself.
+T4_MEMORY_GIB = 14.75
 
 
 def nvml_used_mib(index: int = 0) -> float:

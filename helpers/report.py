@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from IPython.core.formatters import format_display_data
 from IPython.display import display
 
@@ -17,9 +18,14 @@ GLUE_PREFIX = "application/papermill.record/"
 
 
 def glue(name: str, value: Any, display_value: bool = False) -> None:
-    """Record ``value`` under ``name`` for ``{glue:...}`` references (hidden unless asked)."""
+    """Record ``value`` under ``name`` for ``{glue:...}`` references (hidden unless asked).
+
+    NumPy scalars are stored as plain Python numbers, so ``{glue:text}`name:.2f``` can format them.
+    """
     if not name or not isinstance(name, str):
         raise ValueError("glue needs a non-empty string name")
+    if isinstance(value, np.generic):  # np.float64(1.5) would not parse back as a number
+        value = value.item()
     mimebundle, metadata = format_display_data(value)
     prefix = "" if display_value else GLUE_PREFIX
     metadata["scrapbook"] = {"name": name, "mime_prefix": prefix}

@@ -45,3 +45,12 @@ def test_glue_writes_what_myst_nb_writes(monkeypatch):
     assert captured[0][0] == {"application/papermill.record/text/plain": "12.5"}
     with pytest.raises(ValueError):
         report.glue("", 1)
+
+
+def test_glue_stores_numpy_scalars_as_plain_numbers(monkeypatch):
+    import numpy as np
+
+    captured = []
+    monkeypatch.setattr(report, "display", lambda data, raw, metadata: captured.append(data))
+    report.glue("x", np.float64(1.5))
+    assert captured[0] == {"application/papermill.record/text/plain": "1.5"}

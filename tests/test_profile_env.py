@@ -54,3 +54,20 @@ def test_package_version_of_missing_package():
 
 def test_not_colab():
     assert env.is_colab() is False
+
+
+def test_quiet_formats_warnings_without_paths(monkeypatch):
+    import logging
+    import warnings
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)
+    monkeypatch.setattr(warnings, "filters", list(warnings.filters))
+    monkeypatch.delenv("TRANSFORMERS_VERBOSITY", raising=False)
+    env.quiet()
+    text = warnings.formatwarning("careful", UserWarning, "/home/someone/x.py", 3)
+    assert text == "UserWarning: careful\n"
+    assert logging.getLogger("bitsandbytes").level == logging.ERROR
+    import os
+
+    assert os.environ["TRANSFORMERS_VERBOSITY"] == "error"
+    monkeypatch.delenv("TRANSFORMERS_VERBOSITY")
