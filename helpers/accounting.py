@@ -86,16 +86,18 @@ class SavedTensorMeter:
         return sum(self.bytes_by_group.values())
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        # Return a detached alias, never ``t`` itself: when ``t`` is an op's output, keeping it (with
+        # its grad_fn) inside that grad_fn's saved variables is a reference cycle that not even
+        # gc.collect() breaks if no backward runs. Detaching loses nothing: autograd restores the
+        # grad_fn on unpack.
         self.n_saved += 1
-        if t.layout != torch.strided or t.device.type == "meta":
-            return t
-        key = _storage_key(t)
-        if key in self._param_keys or key in self._seen:
-            return t
-        self._seen.add(key)
-        where = self._stack[-1] if self._stack else "other"
-        self.bytes_by_group[where] += t.untyped_storage().nbytes()
-        return t
+        if t.layout == torch.strided and t.device.type != "meta":
+            key = _storage_key(t)
+            if key not in self._param_keys and key not in self._seen:
+                self._seen.add(key)
+                where = self._stack[-1] if self._stack else "other"
+                self.bytes_by_group[where] += t.untyped_storage().nbytes()
+        return t.detach()
 
     @staticmethod
     def _unpack(t: torch.Tensor) -> torch.Tensor:

@@ -100,11 +100,26 @@ def test_saved_tensor_meter_matches_what_backward_needs():
         assert torch.equal(p.grad, g)
 
 
+def test_forward_without_backward_under_the_meter_frees_everything():
+    """A graph built under the meter and dropped without backward must be freed (no ref cycle)."""
+    import weakref
+
+    x = torch.randn(1000, requires_grad=True)
+    with accounting.SavedTensorMeter():
+        y = x.exp()  # exp saves its own output: the case that would form a cycle
+        z = y.sin()
+    ref = weakref.ref(y)
+    del y, z
+    assert ref() is None
+
+
 @pytest.mark.gpu
 def test_saved_bytes_agree_with_the_allocator():
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512)) for _ in range(4)]).cuda()
     x = torch.randn(64, 512, device="cuda")
+    with torch.no_grad():
+        model(x)  # warm-up: cuBLAS takes its workspace from the allocator on the first matmul
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     with accounting.SavedTensorMeter(model) as meter:
