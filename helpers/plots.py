@@ -32,7 +32,7 @@ COMPONENT_COLORS = {
     "gradients": "#DD8452",
     "optimizer states": "#55A868",
     "activations": "#C44E52",
-    "temporary": "#8172B3",
+    "transient": "#8172B3",
     "CUDA context & cache": "#937860",
 }
 
@@ -58,6 +58,10 @@ def stacked_bar(
         values = df[col].fillna(0.0).astype(float)
         ax.bar([str(i) for i in df.index], values, bottom=bottom, label=col, color=colors.get(col))
         bottom = bottom + values
+    if len(df.index) > 5:  # long category names would overlap
+        ax.tick_params(axis="x", labelrotation=35)
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right")
     ax.set_title(title)
     ax.set_ylabel(ylabel)
     ax.set_xlabel(xlabel)

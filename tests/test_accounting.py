@@ -125,7 +125,8 @@ def test_saved_bytes_agree_with_the_allocator():
     with accounting.SavedTensorMeter(model) as meter:
         out = model(x)
     after = torch.cuda.memory_allocated()
-    # what the forward left allocated = the saved activations + the output itself
+    # the forward left allocated: the saved activations and the output; the meter also counts the
+    # input x (saved by the first layer), which was allocated before the measurement started
     held = after - before - out.numel() * out.element_size()
-    assert held == pytest.approx(meter.total_bytes, rel=0.02)
+    assert held + x.numel() * x.element_size() == pytest.approx(meter.total_bytes, rel=0.01)
     del out
