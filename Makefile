@@ -21,10 +21,10 @@ venv: $(STAMP)
 book: $(STAMP) site
 	@echo "The book is built: open $(CURDIR)/_build/html/index.html"
 
-test: $(STAMP) unit notebooks hygiene site
+test: $(STAMP) lint unit notebooks hygiene site
 
 unit:
-	$(BIN)/python -m pytest tests -q
+	$(BIN)/python -m pytest tests -q -p no:cacheprovider
 
 # Every chapter, top to bottom in a fresh kernel, in the tiny profile (CPU-sized models).
 notebooks:
@@ -37,7 +37,7 @@ site:
 	$(BIN)/jupyter-book build . --warningiserror --nitpick --keep-going
 
 lint:
-	$(BIN)/ruff check helpers tests scripts
+	$(BIN)/ruff check helpers tests scripts notebooks
 
 # Maintainers, on a GPU machine: execute the chapters in the full profile, in place, then check them.
 gpu-run:
