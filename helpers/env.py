@@ -91,10 +91,12 @@ def quiet() -> None:
     - Python warnings still show, but as ``Category: message``, without the machine's file paths;
     - tqdm's "IProgress not found" notice (no ipywidgets) is dropped;
     - transformers and bitsandbytes log errors only (``TRANSFORMERS_VERBOSITY=error``; the
-      ``bitsandbytes`` logger at ERROR), and ``datasets`` shows no progress bars.
+      ``bitsandbytes`` logger at ERROR), and neither ``datasets`` nor ``transformers`` (through
+      ``HF_HUB_DISABLE_PROGRESS_BARS``) draws progress bars.
     """
     warnings.formatwarning = _short_warning
     warnings.filterwarnings("ignore", message="IProgress not found")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' loading/saving bars
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)

@@ -24,6 +24,7 @@ from transformers import (
     AutoModelForSequenceClassification,
     BertConfig,
     GPTNeoXConfig,
+    LlamaConfig,
     PretrainedConfig,
 )
 
@@ -64,6 +65,20 @@ REGISTRY: dict[str, ModelSpec] = {
         ),
         tiny=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=512),
         heads=("causal-lm", "sequence-classification", "base"),
+    ),
+    # A 7B decoder for size arithmetic (build it on "meta" unless the GPU is large): Llama-2-7B's shape,
+    # 32 layers, hidden 4096, SwiGLU MLP 11008, 6.74B parameters.
+    "llama-2-7b": ModelSpec(
+        hub_id="meta-llama/Llama-2-7b-hf",
+        config_class=LlamaConfig,
+        full=dict(
+            vocab_size=32000, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+            num_key_value_heads=32, intermediate_size=11008, max_position_embeddings=4096,
+            tie_word_embeddings=False,
+        ),
+        tiny=dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                  intermediate_size=344),
+        heads=("causal-lm", "base"),
     ),
 }
 

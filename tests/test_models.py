@@ -10,6 +10,7 @@ def test_full_sizes_match_the_real_models():
     # bert-large-uncased with a 2-label classifier; polyglot-ko-1.3b as published (1,331,810,304)
     assert df.loc["bert-large-uncased", "params_full"] == 335_143_938
     assert df.loc["polyglot-ko-1.3b", "params_full"] == 1_331_810_304
+    assert df.loc["llama-2-7b", "params_full"] == 6_738_415_616  # Llama-2-7B as published
     assert (df["params_tiny"] < 10_000_000).all()
 
 
@@ -44,7 +45,7 @@ def test_forward_of_tiny_causal_lm_gives_a_loss():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(name="gpt-17"), "unknown model 'gpt-17'; known: bert-large-uncased, polyglot-ko-1.3b"),
+        (dict(name="gpt-17"), "unknown model 'gpt-17'; known: bert-large-uncased, polyglot-ko-1.3b, llama-2-7b"),
         (dict(name="bert-large-uncased", head="causal-lm"), "has no 'causal-lm' head"),
         (dict(name="bert-large-uncased", attn_implementation="flash"), "attn_implementation must be"),
         (dict(name="bert-large-uncased", profile="medium"), "unknown profile"),
