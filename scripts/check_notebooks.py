@@ -4,7 +4,8 @@
 A committed chapter must be one fresh top-to-bottom GPU run: every code cell executed, execution
 counts 1, 2, 3, ...; no error output and no traceback; no machine-local absolute path; no huge
 output (each image under 300 KB, the notebook under 2 MB); and its first code cell (the
-environment report) names an NVIDIA GPU and the full profile.
+environment report) names an NVIDIA GPU and the full profile. nbval markers must be written exactly
+(``# NBVAL_CHECK_OUTPUT`` alone on its line), or nbval silently ignores them.
 
 Usage: python scripts/check_notebooks.py notebooks [more paths]   (exit 1 on any problem)
 Only the standard library is used, so this runs on any Python.
@@ -22,6 +23,9 @@ MAX_NOTEBOOK_BYTES = 2_000_000
 MAX_IMAGE_BYTES = 300_000
 LOCAL_PATH = re.compile(r"(/home/|/root/|/Users/|/tmp/|/work/|/opt/|/usr/|/private/var/|site-packages|[A-Za-z]:\\Users)")
 TRACEBACK = "Traceback (most recent call last)"
+# nbval recognises a marker only when the comment line is exactly "# NBVAL_..."; anything else is silently
+# ignored, so a decorated marker would disable the check it was meant to enable.
+NBVAL_MARKERS = {"NBVAL_CHECK_OUTPUT", "NBVAL_IGNORE_OUTPUT", "NBVAL_SKIP", "NBVAL_RAISES_EXCEPTION"}
 
 
 def _text_of(output: dict) -> str:
@@ -49,6 +53,12 @@ def check(path: Path) -> list[str]:
     if counts != list(range(1, len(code) + 1)):
         problems.append(f"execution counts are not 1..{len(code)} in order (not one fresh run): {counts}")
     for i, cell in enumerate(code, start=1):
+        source = "".join(cell.get("source", ""))
+        for line in source.splitlines():
+            comment = line.strip().lstrip("#").strip()
+            if line.strip().startswith("#") and "NBVAL_" in comment and comment not in NBVAL_MARKERS:
+                problems.append(f"code cell {i}: nbval ignores this marker line (it must be exactly one of "
+                                f"{', '.join(sorted(NBVAL_MARKERS))}): {line.strip()[:80]}")
         for out in cell.get("outputs", []):
             text = _text_of(out)
             if out.get("output_type") == "error":
@@ -67,7 +77,7 @@ def check(path: Path) -> list[str]:
     first = "\n".join(_text_of(o) for o in code[0].get("outputs", []))
     if "NVIDIA" not in first and "Tesla" not in first:
         problems.append("the first code cell's output (environment report) names no NVIDIA GPU")
-    if not re.search(r"\bfull\b", first):
+    if not re.search(r"profile\s+full\b", first):
         problems.append("the first code cell's output does not show the full profile")
     return problems
 
