@@ -11,6 +11,8 @@ Modules, one job each:
 - ``models``     offline model registry (full size and tiny twins), local checkpoints
 - ``data``       the seeds' dummy dataset and small learnable tasks
 - ``train``      a plain training loop for loss curves
+- ``batching``   find the largest batch that fits: try, catch out-of-memory, free, back off
+- ``distributed`` the ZeRO memory formula, per-rank accounting of sharded models, launching torchrun
 - ``cleanup``    drop objects and give memory back
 - ``plots``      one figure style, stacked memory bars, line series
 - ``report``     glue numbers into the book's prose
