@@ -176,6 +176,24 @@ def unsharded_param_bytes(model: nn.Module) -> int:
         return sum(tensor_bytes(p) for p in _unique_params(model) if local_tensor(p) is p)
 
 
+def init_process_group() -> torch.device:
+    """Join the process group a launcher (torchrun, accelerate) set up; return this rank's device.
+
+    One GPU per process with NCCL when CUDA is present (``LOCAL_RANK`` picks the GPU), otherwise the CPU
+    with gloo. Call it once at the start of a launched script.
+    """
+    import torch.distributed as dist
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return device
+
+
 # --- launching ------------------------------------------------------------------------------------
 
 

@@ -14,7 +14,6 @@ manual all-reduce (``manual``) and under DDP (``ddp``).
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import torch
@@ -22,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers import data, models
+from helpers import data, distributed, models
 
 
 def global_batch(n_samples: int = 4, seq_len: int = 32, seed: int = 0) -> torch.Tensor:
@@ -68,14 +67,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=32, help="tokens per sequence")
     args = parser.parse_args()
 
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    device = distributed.init_process_group()  # NCCL on GPUs, gloo on CPUs
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.batch % world:
         raise ValueError(f"the global batch ({args.batch}) must split evenly over {world} ranks")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import weakref
 from pathlib import Path
@@ -145,14 +144,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    device = distributed.init_process_group()  # NCCL on GPUs, gloo on CPUs
     records = [run_strategy(strategy, args, device) for strategy in args.strategies]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
