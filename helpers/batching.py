@@ -20,7 +20,6 @@ simulate an out-of-memory error by raising ``torch.OutOfMemoryError`` themselves
 
 from __future__ import annotations
 
-import gc
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,22 +28,15 @@ from typing import Any
 import pandas as pd
 import torch
 
-from helpers.measure import MIB
+from helpers import cleanup
+
+# Collect garbage and empty the CUDA cache: the same cleanup as ``cleanup.free``.
+release = cleanup.collect
 
 
 def allocated_mib() -> float:
     """torch's allocated CUDA memory in MiB; NaN without CUDA (the default memory reader)."""
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return float("nan")
-    return torch.cuda.memory_allocated() / MIB
-
-
-def release() -> None:
-    """Collect garbage and hand the allocator's cached blocks back to the driver (on CUDA)."""
-    gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+    return cleanup.cuda_mib()[0]
 
 
 def short_error(message: str) -> str:

@@ -36,10 +36,19 @@ class Freed:
         return self.reserved_before_mib - self.reserved_after_mib
 
 
-def _cuda_mib() -> tuple[float, float]:
+def cuda_mib() -> tuple[float, float]:
+    """torch's allocated and reserved CUDA memory in MiB; NaN for both before CUDA is in use."""
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return float("nan"), float("nan")
     return torch.cuda.memory_allocated() / MIB, torch.cuda.memory_reserved() / MIB
+
+
+def collect() -> None:
+    """Collect garbage and hand the allocator's cached blocks back to the driver (on CUDA)."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 def free(namespace: dict[str, Any], *names: str) -> Freed:
@@ -54,7 +63,7 @@ def free(namespace: dict[str, Any], *names: str) -> Freed:
     for name in names:
         if not isinstance(name, str):
             raise TypeError(f"free takes names as strings, got {type(name).__name__}")
-    alloc0, res0 = _cuda_mib()
+    alloc0, res0 = cuda_mib()
     dropped = {id(namespace[n]) for n in names if n in namespace}
     removed = tuple(n for n in names if n in namespace)
     for name in removed:
@@ -66,9 +75,6 @@ def free(namespace: dict[str, Any], *names: str) -> Freed:
     for short in ("_", "__", "___"):
         if id(namespace.get(short)) in dropped:
             namespace[short] = None
-    gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-    alloc1, res1 = _cuda_mib()
+    collect()
+    alloc1, res1 = cuda_mib()
     return Freed(removed, alloc0, alloc1, res0, res1)
