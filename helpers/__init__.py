@@ -2,7 +2,7 @@
 
 Modules, one job each:
 
-- ``profile``    which sizes to run (``tiny`` on a CPU, ``full`` on a GPU) and GPU-only guards
+- ``profiles``   which sizes to run (``tiny`` on a CPU, ``full`` on a GPU) and GPU-only guards
 - ``env``        the environment report every chapter prints first; Colab detection
 - ``measure``    NVML and torch-allocator memory, a phase recorder, timing with warm-up and medians
 - ``accounting`` device-independent bytes: parameters, gradients, optimizer states, saved activations
@@ -15,7 +15,7 @@ Modules, one job each:
 - ``distributed`` the ZeRO memory formula, per-rank accounting of sharded models, launching torchrun
 - ``cleanup``    drop objects and give memory back
 - ``plots``      one figure style, stacked memory bars, line series
-- ``report``     glue numbers into the book's prose
+- ``glue``       glue numbers into the book's prose
 """
 
 __version__ = "0.1.0"

@@ -16,7 +16,7 @@ import warnings
 import pandas as pd
 import torch
 
-from helpers import profile as _profile
+from helpers import profiles as _profiles
 
 PACKAGES = ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "datasets")
 
@@ -61,10 +61,10 @@ def gpu_info(index: int = 0) -> dict[str, str | float] | None:
         pynvml.nvmlShutdown()
 
 
-def report(prof: _profile.Profile | None = None) -> pd.DataFrame:
+def report(prof: _profiles.Profile | None = None) -> pd.DataFrame:
     """Where this run's outputs came from: hardware, versions and the profile, as a table."""
-    prof = prof or _profile.get()
-    gpu = gpu_info() if _profile.cuda_available() else None
+    prof = prof or _profiles.get()
+    gpu = gpu_info() if _profiles.cuda_available() else None
     rows: dict[str, str] = {}
     if gpu:
         rows["GPU"] = f"{gpu['count']} x {gpu['name']}, {gpu['memory_gib']} GiB each"
@@ -76,7 +76,7 @@ def report(prof: _profile.Profile | None = None) -> pd.DataFrame:
     rows["Python"] = platform.python_version()
     for name in PACKAGES:
         rows[name] = package_version(name)
-    rows["profile"] = f"{prof.name} (set {_profile.ENV_VAR}=tiny|full to override)"
+    rows["profile"] = f"{prof.name} (set {_profiles.ENV_VAR}=tiny|full to override)"
     rows["Colab"] = "yes" if is_colab() else "no"
     return pd.DataFrame({"value": rows})
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 import torch
 
-from helpers.profile import require_cuda
+from helpers.profiles import require_cuda
 
 MIB = 2**20
 GIB = 2**30

@@ -28,7 +28,7 @@ from transformers import (
     PretrainedConfig,
 )
 
-from helpers import profile as _profile
+from helpers import profiles as _profiles
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ def spec(name: str) -> ModelSpec:
 def config(name: str, profile: str | None = None, **overrides) -> PretrainedConfig:
     """The config of ``name`` in the given profile (default: the current one), with overrides."""
     entry = spec(name)
-    prof = _profile.validate(profile) if profile is not None else _profile.get().name
+    prof = _profiles.validate(profile) if profile is not None else _profiles.get().name
     kwargs = dict(entry.full)
     if prof == "tiny":
         kwargs.update(entry.tiny)
@@ -132,7 +132,7 @@ def build(
     if attn_implementation not in ATTENTION:
         raise ValueError(f"attn_implementation must be one of {', '.join(ATTENTION)}, got {attn_implementation!r}")
     cfg = config(name, profile, **config_overrides)
-    device = device if device is not None else _profile.get().device
+    device = device if device is not None else _profiles.get().device
     torch.manual_seed(seed)
     with torch.device(device):
         model = _HEAD_CLASSES[head].from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)

@@ -1,45 +1,45 @@
 import pytest
 import torch
 
-from helpers import env, profile
+from helpers import env, profiles
 
 
 def test_auto_profile_follows_hardware(monkeypatch):
-    monkeypatch.delenv(profile.ENV_VAR, raising=False)
-    prof = profile.get()
+    monkeypatch.delenv(profiles.ENV_VAR, raising=False)
+    prof = profiles.get()
     assert prof.name == ("full" if torch.cuda.is_available() else "tiny")
     assert prof.device == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.mark.parametrize("value", ["tiny", "FULL", " full "])
 def test_env_var_overrides(monkeypatch, value):
-    monkeypatch.setenv(profile.ENV_VAR, value)
-    assert profile.get().name == value.strip().lower()
+    monkeypatch.setenv(profiles.ENV_VAR, value)
+    assert profiles.get().name == value.strip().lower()
 
 
 def test_unknown_profile_is_a_clear_error(monkeypatch):
-    monkeypatch.setenv(profile.ENV_VAR, "huge")
+    monkeypatch.setenv(profiles.ENV_VAR, "huge")
     with pytest.raises(ValueError, match="unknown profile 'huge'.*tiny, full"):
-        profile.get()
+        profiles.get()
     with pytest.raises(ValueError, match="unknown profile"):
-        profile.get("medium")
+        profiles.get("medium")
 
 
 def test_pick():
-    assert profile.Profile("tiny", "cpu").pick(tiny=1, full=2) == 1
-    assert profile.Profile("full", "cuda").pick(tiny=1, full=2) == 2
+    assert profiles.Profile("tiny", "cpu").pick(tiny=1, full=2) == 1
+    assert profiles.Profile("full", "cuda").pick(tiny=1, full=2) == 2
 
 
 def test_cuda_guard_prints_one_line_on_cpu(capsys, monkeypatch):
-    monkeypatch.setattr(profile, "cuda_available", lambda: False)
-    assert profile.cuda_or_skip("NVML needs an NVIDIA GPU") is False
+    monkeypatch.setattr(profiles, "cuda_available", lambda: False)
+    assert profiles.cuda_or_skip("NVML needs an NVIDIA GPU") is False
     assert capsys.readouterr().out == "skipped on CPU: NVML needs an NVIDIA GPU\n"
     with pytest.raises(RuntimeError, match="nvml_used_mib needs a CUDA GPU"):
-        profile.require_cuda("nvml_used_mib")
+        profiles.require_cuda("nvml_used_mib")
 
 
 def test_report_names_versions_and_profile():
-    df = env.report(profile.Profile("tiny", "cpu"))
+    df = env.report(profiles.Profile("tiny", "cpu"))
     for key in ("GPU", "torch", "transformers", "peft", "bitsandbytes", "profile"):
         assert key in df.index
     assert df.loc["torch", "value"] == env.package_version("torch")

@@ -7,7 +7,7 @@ The profile is chosen automatically (CUDA present -> ``full``) unless the enviro
 ``GPUBOOK_PROFILE`` says ``tiny`` or ``full``. Notebooks ask the profile for sizes instead of
 branching on hardware themselves::
 
-    prof = profile.get()
+    prof = profiles.get()
     seq_len = prof.pick(tiny=64, full=512)
 """
 
