@@ -1,0 +1,248 @@
+"""Timing GPU work honestly: wall time, GPU time, host enqueue time, spread, and a verdict.
+
+Introduced in chapter 8, section 8.1; every speed number of the book from chapter 8 on comes from
+``time_it``.
+
+A GPU runs asynchronously: a Python call that launches a kernel returns long before the kernel
+ends. So each timed call records three clocks:
+
+- **wall**: from the start of the call until the GPU has finished its work (``synchronize``);
+- **GPU**: CUDA events recorded on the stream just before and just after the call. On an idle
+  stream this is the span from the first queued work to the last, gaps included: close to wall
+  time, and it excludes the host's time before the first launch and after the last;
+- **host enqueue**: from the start of the call until it returns, before synchronising: the time
+  the CPU needs to issue the work.
+
+When the host needs about as long to issue the work as the GPU needs to run it, the GPU waits for
+Python and kernel launches (*host-bound*, also called launch-bound or overhead-bound); when the host
+is done early and then waits, the GPU had a queue (*GPU-bound*). A host that synchronises inside
+the call (``.item()``, printing a loss) also makes enqueue ≈ wall, so on CUDA ``time_it`` runs one
+more call under ``torch.profiler`` and measures the **GPU-busy fraction**: the time some kernel or
+copy was running, over the call's wall time. The verdict rests on that number.
+
+Why not ``torch.utils.benchmark.Timer``? It synchronises and repeats correctly, but reports one
+clock only; the split into GPU, host and busy time is the point here.
+
+>>> t = time_it(lambda: model(**batch).loss.backward(), device="cuda")
+>>> t.summary()      # medians, spreads, GPU-busy and the verdict, as a dict
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+# GPU-busy thresholds for the verdict (fractions of the call's wall time).
+GPU_BOUND_BUSY = 0.8
+HOST_BOUND_BUSY = 0.5
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Median, quartiles and extremes of repeated samples (seconds)."""
+
+    median: float
+    q1: float
+    q3: float
+    min: float
+    max: float
+
+    @classmethod
+    def of(cls, samples: tuple[float, ...]) -> Spread:
+        if not samples:
+            raise ValueError("need at least one sample")
+        if len(samples) == 1:
+            q1 = q3 = samples[0]
+        else:
+            q1, _, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+        return cls(statistics.median(samples), q1, q3, min(samples), max(samples))
+
+    @property
+    def iqr(self) -> float:
+        """Interquartile range: the middle half of the samples lies within it."""
+        return self.q3 - self.q1
+
+    @property
+    def relative_iqr(self) -> float:
+        return self.iqr / self.median if self.median > 0 else float("nan")
+
+
+def verdict(gpu_busy: float | None, host_fraction: float | None) -> str:
+    """One word for what limits the timed call.
+
+    ``gpu_busy``: the fraction of wall time some kernel ran (``None`` on a CPU);
+    ``host_fraction``: host enqueue time over wall time.
+
+    - ``"CPU run"``: no GPU, wall time only;
+    - ``"GPU-bound"``: kernels ran at least ``GPU_BOUND_BUSY`` of the time;
+    - ``"host-bound"``: the GPU was busy less than ``HOST_BOUND_BUSY`` of the time *and* the host
+      needed most of the wall time to issue the work (Python, dispatch and launches are the limit);
+    - ``"GPU idle, host waiting"``: the GPU was mostly idle but the host was not busy issuing work
+      either (a synchronisation, a data-loading wait or a CPU-side computation inside the call);
+    - ``"mixed"``: in between.
+    """
+    if gpu_busy is None:
+        return "CPU run"
+    if not 0.0 <= gpu_busy <= 1.0 + 1e-6:
+        raise ValueError(f"gpu_busy must be a fraction in [0, 1], got {gpu_busy}")
+    if gpu_busy >= GPU_BOUND_BUSY:
+        return "GPU-bound"
+    if gpu_busy < HOST_BOUND_BUSY:
+        if host_fraction is not None and host_fraction >= 0.8:
+            return "host-bound"
+        return "GPU idle, host waiting"
+    return "mixed"
+
+
+@dataclass(frozen=True)
+class Timed:
+    """Repeated timings of one call (seconds), with the GPU-busy fraction of one profiled call."""
+
+    wall_s: tuple[float, ...]
+    host_s: tuple[float, ...]
+    gpu_s: tuple[float, ...] | None  # None on a CPU
+    gpu_busy: float | None  # None on a CPU, or when not measured
+    kernels_per_call: int | None  # GPU operations (kernels, copies, memsets) of the profiled call
+    device: str
+    kernel_s: float | None = None  # summed duration of those operations in the profiled call
+
+    @property
+    def wall(self) -> Spread:
+        return Spread.of(self.wall_s)
+
+    @property
+    def host(self) -> Spread:
+        return Spread.of(self.host_s)
+
+    @property
+    def gpu(self) -> Spread | None:
+        return Spread.of(self.gpu_s) if self.gpu_s else None
+
+    @property
+    def median_s(self) -> float:
+        """Median wall time: the number to quote for "how long does it take"."""
+        return self.wall.median
+
+    @property
+    def host_fraction(self) -> float:
+        return self.host.median / self.wall.median if self.wall.median > 0 else float("nan")
+
+    @property
+    def verdict(self) -> str:
+        if self.gpu_s is None:
+            return verdict(None, None)
+        if self.gpu_busy is None:  # without the profiled call, only the host clock can tell
+            return "GPU-bound" if self.host_fraction < 0.5 else "unknown (GPU-busy not measured)"
+        return verdict(self.gpu_busy, self.host_fraction)
+
+    @property
+    def evidence(self) -> str:
+        """The numbers behind the verdict, as one sentence fragment."""
+        if self.gpu_s is None:
+            return f"wall time only (CPU), median {self.wall.median * 1e3:.3g} ms"
+        parts = [f"host enqueue {self.host.median * 1e3:.3g} of {self.wall.median * 1e3:.3g} ms wall"]
+        if self.gpu_busy is not None:
+            parts.insert(0, f"GPU busy {self.gpu_busy:.0%}")
+        return ", ".join(parts)
+
+    def summary(self, unit: str = "ms") -> dict[str, float | int | str | None]:
+        """Medians, spreads, GPU-busy and verdict as a flat dict (one table row)."""
+        scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[unit]
+        wall = self.wall
+        row: dict[str, float | int | str | None] = {
+            f"wall median ({unit})": wall.median * scale,
+            f"wall IQR ({unit})": wall.iqr * scale,
+            f"wall min ({unit})": wall.min * scale,
+            f"wall max ({unit})": wall.max * scale,
+        }
+        if self.gpu_s is not None:
+            row[f"GPU (events) median ({unit})"] = self.gpu.median * scale
+            row[f"host enqueue median ({unit})"] = self.host.median * scale
+            row["GPU busy"] = self.gpu_busy
+            row[f"GPU kernel time ({unit})"] = self.kernel_s * scale if self.kernel_s is not None else None
+            row["GPU ops per call"] = self.kernels_per_call
+        row["repeats"] = len(self.wall_s)
+        row["verdict"] = self.verdict
+        return row
+
+
+def time_it(
+    fn: Callable[[], object],
+    *,
+    device: str | torch.device,
+    warmup: int = 3,
+    repeat: int = 10,
+    busy: bool = True,
+) -> Timed:
+    """Time ``fn()``: ``warmup`` untimed calls, then ``repeat`` timed ones, each on its own clock.
+
+    On CUDA every repeat records wall, host-enqueue and CUDA-event times (the device is synchronised
+    before each call, so calls do not overlap), and with ``busy`` one extra call runs under
+    ``torch.profiler`` to measure the GPU-busy fraction, the GPU's summed kernel time and the number of
+    kernels, copies and memsets (the profiler slows the
+    host a little, so that fraction is a slight underestimate for host-bound calls). On a CPU only
+    wall time exists; ``host_s`` then equals ``wall_s``.
+
+    >>> t = time_it(lambda: x @ x, device="cuda")
+    >>> t.median_s, t.wall.iqr, t.gpu_busy, t.verdict
+    """
+    if warmup < 0 or repeat < 1:
+        raise ValueError(f"need warmup >= 0 and repeat >= 1, got warmup={warmup}, repeat={repeat}")
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise RuntimeError("time_it(device='cuda') needs a CUDA GPU; none is available")
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize(dev)
+    wall, host, gpu = [], [], []
+    for _ in range(repeat):
+        if cuda:
+            start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            start_ev.record()
+            fn()
+            t_host = time.perf_counter() - t0
+            end_ev.record()
+            torch.cuda.synchronize(dev)
+            t_wall = time.perf_counter() - t0
+            gpu.append(start_ev.elapsed_time(end_ev) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            t_wall = t_host = time.perf_counter() - t0
+        wall.append(t_wall)
+        host.append(t_host)
+    gpu_busy, kernels, kernel_s = None, None, None
+    if cuda and busy:
+        from helpers import profiler  # imported here: the profiler module is the heavier one
+
+        prof = profiler.profile(fn, device=dev, warmup=1, active=1)
+        gpu_busy, kernels, kernel_s = prof.gpu_busy, prof.kernels_per_step, prof.gpu_ms / 1e3
+    return Timed(tuple(wall), tuple(host), tuple(gpu) if cuda else None, gpu_busy, kernels, str(dev), kernel_s)
+
+
+def compare(timings: dict[str, Timed], baseline: str) -> dict[str, dict[str, float | str]]:
+    """Speed-up of each timing over ``baseline`` and whether it is larger than the noise.
+
+    A difference counts only when the two medians differ by more than the larger of the two IQRs
+    (the middle halves of the samples do not overlap); otherwise the row says "within the noise".
+    """
+    if baseline not in timings:
+        raise ValueError(f"baseline {baseline!r} is not one of {', '.join(timings)}")
+    ref = timings[baseline].wall
+    out: dict[str, dict[str, float | str]] = {}
+    for name, t in timings.items():
+        w = t.wall
+        noise = max(ref.iqr, w.iqr)
+        significant = abs(ref.median - w.median) > noise
+        out[name] = {
+            "speed-up": ref.median / w.median,
+            "difference": ("faster" if w.median < ref.median else "slower") if significant else "within the noise",
+        }
+    return out
