@@ -49,7 +49,10 @@ ORIGIN_COLORS = {
 
 @dataclass
 class Recording:
-    """What ``record`` captured: the allocator snapshot and the allocated bytes when recording began."""
+    """What ``record`` captured: the allocator snapshot and the allocated bytes when recording began.
+
+    Introduced in chapter 8, section 8.4.
+    """
 
     device: int
     baseline_bytes: int = 0
@@ -63,7 +66,10 @@ class Recording:
 
 @contextmanager
 def record(device: int | None = None, *, max_entries: int = 1_000_000) -> Iterator[Recording]:
-    """Record every allocation and free on ``device`` (default: the current one) inside the block."""
+    """Record every allocation and free on ``device`` (default: the current one) inside the block.
+
+    Introduced in chapter 8, section 8.4.
+    """
     require_cuda("memsnap.record")
     dev = torch.cuda.current_device() if device is None else device
     torch.cuda.synchronize(dev)
@@ -81,7 +87,10 @@ def record(device: int | None = None, *, max_entries: int = 1_000_000) -> Iterat
 
 
 def origin(frames: list[dict[str, Any]]) -> str:
-    """The category of an allocation, from the Python frames (innermost first) that made it."""
+    """The category of an allocation, from the Python frames (innermost first) that made it.
+
+    Introduced in chapter 8, section 8.4.
+    """
     if not frames:
         return "backward"  # the autograd engine's threads run no Python code
     files = [str(f.get("filename", "")) for f in frames]
@@ -101,6 +110,8 @@ def timeline(rec: Recording) -> pd.DataFrame:
     One row per ``alloc`` or ``free_completed`` event of the recording; columns are the ``ORIGINS``
     (bytes), ``total``, and ``event`` (``"alloc <origin>"`` or ``"free <origin>"``: what this event did).
     A block allocated before recording and freed during it is subtracted from ``before recording``.
+
+    Introduced in chapter 8, section 8.4.
     """
     live: dict[int, tuple[str, int]] = {}  # address -> (origin, size)
     current = dict.fromkeys(ORIGINS, 0)
@@ -127,7 +138,10 @@ def timeline(rec: Recording) -> pd.DataFrame:
 
 
 def peak_event(rec: Recording) -> pd.Series:
-    """The row of ``timeline`` at the peak: its bytes by origin and the allocation that made the peak."""
+    """The row of ``timeline`` at the peak: its bytes by origin and the allocation that made the peak.
+
+    Introduced in chapter 8, section 8.4.
+    """
     df = timeline(rec)
     if df.empty:
         raise ValueError("the recording holds no allocations")
@@ -135,7 +149,10 @@ def peak_event(rec: Recording) -> pd.Series:
 
 
 def peak_bytes(rec: Recording) -> int:
-    """The highest allocated total over the recording (equals the allocator's peak if it was reset at the start)."""
+    """The highest allocated total over the recording (equals the allocator's peak if it was reset at the start).
+
+    Introduced in chapter 8, section 8.4.
+    """
     df = timeline(rec)
     return int(df["total"].max()) if len(df) else rec.baseline_bytes
 
@@ -147,6 +164,8 @@ def survivors(rec: Recording, *, top: int = 10) -> pd.DataFrame:
     ``forward``), ``called from`` the innermost frame of the reader's own code (a cell, a hook, a
     training loop), outside the files of PyTorch, transformers and other installed packages. After a
     training step that should leave nothing behind, any row here is a leak suspect.
+
+    Introduced in chapter 8, section 8.4.
     """
     live: dict[int, tuple[str, str, int]] = {}
     for entry in rec.trace:
@@ -183,7 +202,10 @@ def _user_site(frames: list[dict[str, Any]]) -> str:
 
 
 def plot(rec: Recording, *, title: str | None = None, ax: plt.Axes | None = None) -> plt.Figure:
-    """Stacked areas of allocated memory (GiB) by origin, over allocator events, with the peak marked."""
+    """Stacked areas of allocated memory (GiB) by origin, over allocator events, with the peak marked.
+
+    Introduced in chapter 8, section 8.4.
+    """
     df = timeline(rec)
     if df.empty:
         raise ValueError("the recording holds no allocations")
@@ -212,6 +234,8 @@ def save_html(rec: Recording, path: str | Path) -> Path:
 
     The page loads its viewer script from the web, so open it in a browser with internet access. The
     raw snapshot is written beside it (``.pickle``): drag it onto https://pytorch.org/memory_viz.
+
+    Introduced in chapter 8, section 8.4.
     """
     from torch.cuda import _memory_viz
 

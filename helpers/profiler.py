@@ -92,6 +92,8 @@ def kernel_category(name: str, *, cat: str = "kernel", phase: str | None = None)
     Copies and memsets are ``memcpy / memset``; anything launched inside the ``optimizer`` range is
     ``optimizer``; otherwise the kernel name decides (see ``_KERNEL_RULES``); unknown names are
     ``other``.
+
+    Introduced in chapter 8, section 8.2.
     """
     if cat in ("gpu_memcpy", "gpu_memset") or name.startswith(("Memcpy", "Memset")):
         return "memcpy / memset"
@@ -106,7 +108,10 @@ def kernel_category(name: str, *, cat: str = "kernel", phase: str | None = None)
 
 
 def cpu_op_category(name: str, *, phase: str | None = None) -> str:
-    """The category of one CPU operator (used when there is no GPU)."""
+    """The category of one CPU operator (used when there is no GPU).
+
+    Introduced in chapter 8, section 8.2.
+    """
     if phase == "optimizer":
         return "optimizer"
     for category, pattern in _CPU_OP_RULES:
@@ -116,7 +121,10 @@ def cpu_op_category(name: str, *, phase: str | None = None) -> str:
 
 
 def union_length(intervals: Sequence[tuple[float, float]]) -> float:
-    """Total length covered by ``(start, end)`` intervals, overlaps counted once."""
+    """Total length covered by ``(start, end)`` intervals, overlaps counted once.
+
+    Introduced in chapter 8, section 8.2.
+    """
     total, cur_start, cur_end = 0.0, None, None
     for start, end in sorted(intervals):
         if end < start:
@@ -154,7 +162,10 @@ def _read_trace(path: Path) -> list[dict]:
 
 @dataclass
 class StepProfile:
-    """The reduced trace of ``steps`` profiled steps (times in microseconds from the first step's start)."""
+    """The reduced trace of ``steps`` profiled steps (times in microseconds from the first step's start).
+
+    Introduced in chapter 8, section 8.2.
+    """
 
     events: pd.DataFrame  # one row per complete ("X") event: name, cat, ts_us, dur_us, tid, stream, phase, step
     windows_us: list[tuple[float, float]]  # each profiled step's (start, end)
@@ -286,6 +297,8 @@ def from_trace(path: str | Path, *, phases: Sequence[str] = DEFAULT_PHASES, devi
 
     The profiled steps are the ``ProfilerStep#N`` ranges; each kernel is assigned to the phase (one
     of ``phases``) during which the CPU launched it, through the launch's correlation id.
+
+    Introduced in chapter 8, section 8.2.
     """
     path = Path(path)
     raw = [e for e in _read_trace(path) if e.get("ph") == "X"]
@@ -369,6 +382,8 @@ def profile(
 
     >>> prof = profile(train_step, device="cuda", warmup=2, active=3, trace_path="traces/step.json.gz")
     >>> prof.categories(), prof.gpu_busy, prof.kernels_per_step
+
+    Introduced in chapter 8, section 8.2.
     """
     if wait < 0 or warmup < 0 or active < 1:
         raise ValueError(f"need wait >= 0, warmup >= 0 and active >= 1, got {wait}, {warmup}, {active}")
@@ -404,6 +419,8 @@ def timeline(prof: StepProfile, *, step: int = 0, title: str | None = None, ax: 
 
     Kernels are coloured by category; the white gaps in a stream's row are time the GPU had nothing to
     do. Times in milliseconds from the step's start.
+
+    Introduced in chapter 8, section 8.2.
     """
     if not 0 <= step < prof.steps:
         raise ValueError(f"step must be in 0..{prof.steps - 1}, got {step}")

@@ -123,7 +123,10 @@ class Capability:
 
 @cache
 def capability(index: int = 0) -> Capability | None:
-    """The ``Capability`` of CUDA device ``index``; ``None`` on a machine without CUDA."""
+    """The ``Capability`` of CUDA device ``index``; ``None`` on a machine without CUDA.
+
+    Introduced in chapter 8's setup cell.
+    """
     if not cuda_available():
         return None
     props = torch.cuda.get_device_properties(index)
@@ -131,6 +134,9 @@ def capability(index: int = 0) -> Capability | None:
 
 
 def amp_dtype() -> torch.dtype:
-    """Autocast's 16-bit type here: bf16 on a CPU and on GPUs of compute capability >= 8.0, else fp16."""
+    """Autocast's 16-bit type here: bf16 on a CPU and on GPUs of compute capability >= 8.0, else fp16.
+
+    Introduced in chapter 8's setup cell.
+    """
     cap = capability()
     return torch.bfloat16 if cap is None else cap.amp_dtype

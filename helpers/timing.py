@@ -43,7 +43,10 @@ HOST_BOUND_BUSY = 0.5
 
 @dataclass(frozen=True)
 class Spread:
-    """Median, quartiles and extremes of repeated samples (seconds)."""
+    """Median, quartiles and extremes of repeated samples (seconds).
+
+    Introduced in chapter 8, section 8.1.
+    """
 
     median: float
     q1: float
@@ -84,6 +87,8 @@ def verdict(gpu_busy: float | None, host_fraction: float | None) -> str:
     - ``"GPU idle, host waiting"``: the GPU was mostly idle but the host was not busy issuing work
       either (a synchronisation, a data-loading wait or a CPU-side computation inside the call);
     - ``"mixed"``: in between.
+
+    Introduced in chapter 8, section 8.1.
     """
     if gpu_busy is None:
         return "CPU run"
@@ -100,7 +105,10 @@ def verdict(gpu_busy: float | None, host_fraction: float | None) -> str:
 
 @dataclass(frozen=True)
 class Timed:
-    """Repeated timings of one call (seconds), with the GPU-busy fraction of one profiled call."""
+    """Repeated timings of one call (seconds), with the GPU-busy fraction of one profiled call.
+
+    Introduced in chapter 8, section 8.1.
+    """
 
     wall_s: tuple[float, ...]
     host_s: tuple[float, ...]
@@ -189,6 +197,8 @@ def time_it(
 
     >>> t = time_it(lambda: x @ x, device="cuda")
     >>> t.median_s, t.wall.iqr, t.gpu_busy, t.verdict
+
+    Introduced in chapter 8, section 8.1.
     """
     if warmup < 0 or repeat < 1:
         raise ValueError(f"need warmup >= 0 and repeat >= 1, got warmup={warmup}, repeat={repeat}")
@@ -232,6 +242,8 @@ def compare(timings: dict[str, Timed], baseline: str) -> dict[str, dict[str, flo
 
     A difference counts only when the two medians differ by more than the larger of the two IQRs
     (the middle halves of the samples do not overlap); otherwise the row says "within the noise".
+
+    Introduced in chapter 8, section 8.1.
     """
     if baseline not in timings:
         raise ValueError(f"baseline {baseline!r} is not one of {', '.join(timings)}")
