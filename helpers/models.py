@@ -119,7 +119,10 @@ def build(
     seed: int = 0,
     **config_overrides,
 ) -> nn.Module:
-    """Build ``name`` with random weights (seeded), directly on ``device`` and in ``dtype``.
+    """Build ``name`` with random weights drawn from ``seed``, directly on ``device`` and in ``dtype``.
+
+    The same ``seed`` gives the same weights. The caller's random state is left as it was: building a
+    model does not reseed torch's generators.
 
     ``head``: ``"causal-lm"``, ``"sequence-classification"`` or ``"base"``.
     ``attn_implementation``: ``"sdpa"`` (PyTorch's fused attention) or ``"eager"`` (plain matmuls
@@ -132,10 +135,17 @@ def build(
     if attn_implementation not in ATTENTION:
         raise ValueError(f"attn_implementation must be one of {', '.join(ATTENTION)}, got {attn_implementation!r}")
     cfg = config(name, profile, **config_overrides)
-    device = device if device is not None else _profiles.get().device
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = _HEAD_CLASSES[head].from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
+    device = torch.device(device if device is not None else _profiles.get().device)
+    cuda = [device] if device.type == "cuda" else []
+    # The weights come from ``seed``; the random generators are given back as they were, so building a
+    # model changes no later random number (dropout masks, batches) of the caller.
+    with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+        torch.random.default_generator.manual_seed(seed)
+        if cuda:
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)
+        with device:
+            model = _HEAD_CLASSES[head].from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
     return model
 
 
