@@ -61,7 +61,10 @@ def is_out_of_memory(err: BaseException) -> bool:
 
 
 def short_error(message: str) -> str:
-    """The part of an out-of-memory message worth a table cell: "Tried to allocate 2.00 GiB", or its first line."""
+    """The part of an out-of-memory message worth a table cell: "Tried to allocate 2.00 GiB", or its first line.
+
+    Introduced in chapter 3, section 3.2.
+    """
     found = re.search(r"Tried to allocate [\d.]+ [KMGT]?i?B", message)
     if found:
         return found.group(0)
@@ -71,7 +74,10 @@ def short_error(message: str) -> str:
 
 @dataclass(frozen=True)
 class Attempt:
-    """One try: did ``batch_size`` fit, what the step returned, memory after cleanup, the error."""
+    """One try: did ``batch_size`` fit, what the step returned, memory after cleanup, the error.
+
+    Introduced in chapter 3, section 3.1.
+    """
 
     batch_size: int
     fits: bool
@@ -88,6 +94,8 @@ def try_batch(
     Out of memory is ``torch.OutOfMemoryError`` or a ``RuntimeError`` that ``is_out_of_memory``
     recognises; any other exception propagates. After the call, successful or not, garbage is collected, the
     CUDA cache is emptied and ``memory_mib()`` is read into ``Attempt.memory_after_mib``.
+
+    Introduced in chapter 3, section 3.1.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
@@ -106,7 +114,10 @@ def try_batch(
 
 @dataclass
 class Search:
-    """The outcome of ``largest_batch``: the largest size that fitted and every attempt, in order."""
+    """The outcome of ``largest_batch``: the largest size that fitted and every attempt, in order.
+
+    Introduced in chapter 3, section 3.2.
+    """
 
     largest: int | None
     attempts: list[Attempt] = field(default_factory=list)
@@ -139,6 +150,8 @@ def largest_batch(
     halving finds one that fits (``largest`` is None when even ``multiple_of`` fails). Bisection
     then narrows the gap. Each size is tried once, with ``try_batch``; memory use is assumed to
     grow with the batch size.
+
+    Introduced in chapter 3, section 3.2.
     """
     if multiple_of < 1:
         raise ValueError(f"multiple_of must be at least 1, got {multiple_of}")

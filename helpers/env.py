@@ -69,7 +69,7 @@ def report(prof: _profiles.Profile | None = None) -> pd.DataFrame:
 
     >>> env.report(profiles.get())
 
-    Introduced in chapter 1, section 1.1.
+    Introduced in chapter 1's setup cell.
     """
     prof = prof or _profiles.get()
     gpu = gpu_info() if _profiles.cuda_available() else None
@@ -102,7 +102,7 @@ def quiet() -> None:
       ``bitsandbytes`` logger at ERROR), and neither ``datasets`` nor ``transformers`` (through
       ``HF_HUB_DISABLE_PROGRESS_BARS``) draws progress bars.
 
-    Introduced in chapter 1, section 1.1.
+    Introduced in chapter 1's setup cell.
     """
     warnings.formatwarning = _short_warning
     warnings.filterwarnings("ignore", message="IProgress not found")

@@ -43,13 +43,19 @@ _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f
 
 
 def matmul_params(model: nn.Module) -> int:
-    """N of the FLOP formula: elements of every ``nn.Linear`` weight (shared weights once)."""
+    """N of the FLOP formula: elements of every ``nn.Linear`` weight (shared weights once).
+
+    Not used in a chapter yet: the N of the MFU formula in the glossary.
+    """
     weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Linear)}
     return sum(w.numel() for w in weights.values())
 
 
 def flops_per_token(n_matmul_params: int, n_layers: int, hidden: int, seq_len: int, *, training: bool = True) -> float:
-    """FLOPs per token: ``6N + 12 L d s`` for a training step, a third of it for a forward pass."""
+    """FLOPs per token: ``6N + 12 L d s`` for a training step, a third of it for a forward pass.
+
+    Not used in a chapter yet: the MFU formula of the glossary, checked against PyTorch's FLOP counter by the tests.
+    """
     if min(n_matmul_params, n_layers, hidden, seq_len) <= 0:
         raise ValueError("parameters, layers, hidden size and sequence length must be positive")
     train = 6 * n_matmul_params + 12 * n_layers * hidden * seq_len
@@ -91,12 +97,18 @@ def peak_tflops(device_name: str, dtype: torch.dtype | str) -> float:
 
 
 def throughput(n_samples: int, seq_len: int, time_s: float) -> dict[str, float]:
-    """Samples/s and tokens/s of ``n_samples`` sequences of ``seq_len`` processed in ``time_s``."""
+    """Samples/s and tokens/s of ``n_samples`` sequences of ``seq_len`` processed in ``time_s``.
+
+    Introduced in chapter 3, section 3.1.
+    """
     if time_s <= 0:
         raise ValueError(f"time_s must be positive, got {time_s}")
     return {"samples_per_s": n_samples / time_s, "tokens_per_s": n_samples * seq_len / time_s}
 
 
 def mfu(tokens_per_s: float, flops_per_tok: float, peak_tflops_: float) -> float:
-    """Model FLOP utilisation: achieved FLOP/s over peak FLOP/s (a fraction, not a percentage)."""
+    """Model FLOP utilisation: achieved FLOP/s over peak FLOP/s (a fraction, not a percentage).
+
+    Not used in a chapter yet: the MFU of the glossary, against ``peak_tflops`` (chapter 5, section 5.5).
+    """
     return tokens_per_s * flops_per_tok / (peak_tflops_ * 1e12)

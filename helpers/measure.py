@@ -148,20 +148,29 @@ def allocator_mib(device: int | str | torch.device | None = None) -> dict[str, f
 
 
 def synchronize(device: str | torch.device) -> None:
-    """Wait for queued GPU work (no-op on CPU), so a clock read covers the work."""
+    """Wait for queued GPU work (no-op on CPU), so a clock read covers the work.
+
+    Introduced in chapter 1, section 1.3.
+    """
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def reset_peak(device: str | torch.device) -> None:
-    """Make the next peak reading start from the current allocation (CUDA only; no-op on CPU)."""
+    """Make the next peak reading start from the current allocation (CUDA only; no-op on CPU).
+
+    Introduced in chapter 1, section 1.3.
+    """
     if torch.device(device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
 
 @dataclass
 class PhaseRecord:
-    """One phase of a ``PhaseRecorder``: its wall time and memory in MiB (NaN on a CPU)."""
+    """One phase of a ``PhaseRecorder``: its wall time and memory in MiB (NaN on a CPU).
+
+    Introduced in chapter 1, section 1.3.
+    """
 
     phase: str
     time_s: float
@@ -186,7 +195,7 @@ class PhaseRecorder:
     ...     loss = model(**batch).loss
     >>> rec.to_frame()
 
-    Introduced in chapter 1, section 1.2.
+    Introduced in chapter 1, section 1.3.
     """
 
     device: str | torch.device
@@ -228,7 +237,10 @@ class PhaseRecorder:
 
 @dataclass(frozen=True)
 class Timing:
-    """Timed repeats of one function, in seconds."""
+    """Timed repeats of one function, in seconds.
+
+    Introduced in chapter 1, section 1.7.
+    """
 
     times_s: tuple[float, ...]
 
@@ -248,6 +260,8 @@ def time_fn(
     """Time ``fn()``: ``warmup`` untimed calls, then ``repeat`` timed ones, synchronising the device.
 
     >>> time_fn(lambda: x @ x, device="cuda").median_s
+
+    Introduced in chapter 1, section 1.7.
     """
     if warmup < 0 or repeat < 1:
         raise ValueError(f"need warmup >= 0 and repeat >= 1, got warmup={warmup}, repeat={repeat}")
