@@ -71,26 +71,44 @@ def _ipython_shell(namespace: dict[str, Any]):
     return shell if shell is not None and getattr(shell, "user_ns", None) is namespace else None
 
 
-def _drop_from_history(namespace: dict[str, Any], dropped: set[int]) -> None:
-    """Without a shell: remove every output-history entry that points at a dropped object."""
-    history = namespace.get("Out")
-    if isinstance(history, dict):
-        for key in [k for k, v in history.items() if id(v) in dropped]:
-            del history[key]
-    for key in [k for k, v in namespace.items() if _OUTPUT_NAME.fullmatch(k) and id(v) in dropped]:
-        if key in ("_", "__", "___"):
-            namespace[key] = None
-        else:
-            del namespace[key]
+def _drop_from_history(namespace: dict[str, Any], dropped: set[int], shell=None) -> None:
+    """Remove every output-history reference to a dropped object; the user's own names are left alone.
+
+    The places are those IPython's ``del_var`` clears: ``Out`` (the history manager's output
+    history), ``_N``, ``_``/``__``/``___`` (also kept by the display hook) and the last result.
+    """
+    histories = [namespace.get("Out")]
+    if shell is not None:
+        histories.append(getattr(getattr(shell, "history_manager", None), "output_hist", None))
+    for history in histories:
+        if isinstance(history, dict):
+            for key in [k for k, v in history.items() if id(v) in dropped]:
+                del history[key]
+    spaces = [namespace] + ([shell.user_ns_hidden] if shell is not None else [])
+    for space in spaces:
+        for key in [k for k, v in space.items() if _OUTPUT_NAME.fullmatch(k) and id(v) in dropped]:
+            if key in ("_", "__", "___"):
+                space[key] = None
+            else:
+                del space[key]
+    if shell is not None:
+        hook = getattr(shell, "displayhook", None)
+        for name in ("_", "__", "___"):
+            if id(getattr(hook, name, None)) in dropped:
+                setattr(hook, name, None)
+        last = getattr(shell, "last_execution_result", None)
+        if last is not None and id(getattr(last, "result", None)) in dropped:
+            shell.last_execution_result = None
 
 
 def free(namespace: dict[str, Any], *names: str) -> Freed:
     """Delete ``names`` from ``namespace`` (pass ``globals()``), collect garbage, empty the CUDA cache.
 
-    In a notebook the objects are deleted with IPython's own ``del_var``, which also clears every
-    output-history reference to them (``Out``, ``_``, ``_3``, the last result). Names that are not
-    in the namespace are ignored, so a cleanup cell can run twice. ``Freed.still_alive`` names the
-    objects that something else still holds.
+    In a notebook every output-history reference to the deleted objects goes too (the places IPython's
+    own ``del_var`` clears: ``Out``, ``_``, ``_3``, the display hook, the last result); other names
+    you gave the same object are left alone. Names that are not in the namespace are ignored, so a
+    cleanup cell can run twice. ``Freed.still_alive`` names the objects that something else still
+    holds.
 
     >>> freed = free(globals(), "model", "optimizer")
     >>> freed.allocated_freed_mib, freed.still_alive
@@ -111,14 +129,8 @@ def free(namespace: dict[str, Any], *names: str) -> Freed:
     shell = _ipython_shell(namespace)
     dropped = {id(namespace[n]) for n in removed}
     for name in removed:
-        if name not in namespace:  # an earlier name was the same object; del_var removed it already
-            continue
-        if shell is not None:
-            shell.del_var(name, by_name=False)  # also clears Out, _, _N and the last result
-        else:
-            del namespace[name]
-    if shell is None:
-        _drop_from_history(namespace, dropped)
+        del namespace[name]
+    _drop_from_history(namespace, dropped, shell)
     del dropped
     collect()
     after = measure.allocator_mib()

@@ -47,6 +47,16 @@ def test_free_clears_every_reference_ipython_keeps_to_a_displayed_object(shell):
     assert "model" not in shell.user_ns
 
 
+def test_free_leaves_other_names_of_the_same_object_alone(shell):
+    """Freeing ``model_run`` must not delete ``model_acc`` when both name one model (chapter 3 relies on it)."""
+    shell.run_cell("import torch\nmodel_acc = torch.nn.Linear(10, 10)\nmodel_run = model_acc")
+    shell.run_cell("model_run")  # displayed as well
+    freed = cleanup.free(shell.user_ns, "model_run")
+    assert "model_acc" in shell.user_ns and "model_run" not in shell.user_ns
+    assert freed.still_alive == ("model_run",)  # still held, by model_acc: reported, not hidden
+    assert all(v is not shell.user_ns["model_acc"] for v in shell.history_manager.output_hist.values())
+
+
 def test_free_reports_what_it_could_not_free():
     model = torch.nn.Linear(10, 10)
     ns = {"model": model, "n": 3}
