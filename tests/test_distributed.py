@@ -39,7 +39,7 @@ def chapter_runs(tmp_path_factory):
     Returns the results folder and the launch's error message.
     """
     tmp = tmp_path_factory.mktemp("ch7")
-    with pytest.raises(RuntimeError) as failed:
+    with pytest.raises((RuntimeError, TimeoutError)) as failed:  # the launch must fail; how is checked below
         run_in_ranks(tmp, """
             import sys
             import torch
