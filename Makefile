@@ -4,13 +4,17 @@ VENV   ?= .venv
 # torch is installed first and on its own, so that nothing later pulls a different build.
 # On a CPU-only machine with the CPU wheel at hand (CI) this is that wheel; elsewhere PyPI's default build.
 TORCH  ?= torch==2.13.0
+# Extra arguments for `python -m venv`. To keep a torch that is already installed (a CUDA build), let the
+# venv see it and ask pip only for "torch", which that installation satisfies:
+#   make VENV_ARGS=--system-site-packages TORCH=torch test
+VENV_ARGS ?=
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
 .PHONY: venv book test unit notebooks hygiene site lint gpu-run clean
 
 $(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv $(VENV_ARGS) $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[book,dev]"

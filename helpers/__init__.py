@@ -1,21 +1,35 @@
 """Shared code for the GPU-Efficient Training book.
 
-Modules, one job each:
+Module map, one job each. A module imports only modules listed above it (the tests check this), so the
+package reads from the top down and has no import cycles. Each public function's docstring names the
+chapter and section that introduce it.
 
-- ``profiles``   which sizes to run (``tiny`` on a CPU, ``full`` on a GPU) and GPU-only guards
-- ``env``        the environment report every chapter prints first; Colab detection
-- ``measure``    NVML and torch-allocator memory, a phase recorder, timing with warm-up and medians
-- ``accounting`` device-independent bytes: parameters, gradients, optimizer states, saved activations
-- ``flops``      FLOPs per token, peak FLOP/s by GPU, throughput and MFU
-- ``estimates``  the rules and formulas the measurements are held against
-- ``models``     offline model registry (full size and tiny twins), local checkpoints
-- ``data``       the seeds' dummy dataset and small learnable tasks
-- ``train``      a plain training loop for loss curves
-- ``batching``   find the largest batch that fits: try, catch out-of-memory, free, back off
-- ``distributed`` the ZeRO memory formula, per-rank accounting of sharded models, launching torchrun
-- ``cleanup``    drop objects and give memory back
-- ``plots``      one figure style, stacked memory bars, line series
-- ``glue``       glue numbers into the book's prose
+Foundations
+- ``profiles``    which sizes to run (``tiny`` on a CPU, ``full`` on a GPU) and GPU-only guards
+- ``measure``     the one reader of GPU memory (NVML, torch's allocator), phases, timing, the T4 budget
+- ``env``         the environment report every chapter prints first; Colab detection
+
+Counting and formulas (no GPU needed)
+- ``accounting``  bytes of weights, gradients, optimizer states (sharded too) and saved activations
+- ``estimates``   the rules and formulas measurements are held against, the ZeRO formula among them
+- ``flops``       FLOPs per token, peak FLOP/s by GPU, throughput and MFU
+
+Models, data, training
+- ``models``      offline model registry (full size and tiny twins), local checkpoints
+- ``data``        datasets that need no download: random tokens, a learnable Markov chain, keywords
+- ``train``       a plain training loop for loss curves
+
+Memory management
+- ``cleanup``     drop objects (IPython's output cache included) and give memory back
+- ``batching``    find the largest batch that fits: try, catch out-of-memory, free, back off
+
+Several processes
+- ``distributed`` inside a launched script: join the process group, fail all ranks together
+- ``launching``   start ``torchrun`` / ``accelerate launch`` from a notebook, stop them cleanly
+
+Showing results
+- ``plots``       one figure style, stacked memory bars, line series
+- ``glue``        glue numbers into the book's prose
 """
 
 __version__ = "0.1.0"

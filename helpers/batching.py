@@ -1,7 +1,9 @@
 """Find the largest batch that fits, without crashing on the way: try, catch, free, back off.
 
-``try_batch(step, batch_size)`` calls ``step(batch_size)`` once. If it raises
-``torch.OutOfMemoryError`` the error is caught, its first line kept, and memory is given back
+``try_batch(step, batch_size)`` calls ``step(batch_size)`` once. If it runs out of memory
+(``torch.OutOfMemoryError``, or a ``RuntimeError`` from a library that reports an allocation failure
+in its own words, such as cuBLAS's ``CUBLAS_STATUS_ALLOC_FAILED``) the error is caught, its first
+line kept, and memory is given back
 *after* the ``except`` block has ended: while an exception is being handled, its traceback holds
 the failed step's stack frames, and with them every tensor the step had made. Then the memory
 reader is called, so each attempt records what was left afterwards (the number that shows
@@ -28,19 +30,41 @@ from typing import Any
 import pandas as pd
 import torch
 
-from helpers import cleanup
+from helpers import cleanup, measure
 
 # Collect garbage and empty the CUDA cache: the same cleanup as ``cleanup.free``.
 release = cleanup.collect
 
+# RuntimeError messages that mean "out of memory" when a library allocates behind torch's back (cuBLAS,
+# cuDNN, NCCL, a raw CUDA call) instead of raising torch.OutOfMemoryError.
+OOM_MESSAGES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED", "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE")
+
 
 def allocated_mib() -> float:
-    """torch's allocated CUDA memory in MiB; NaN without CUDA (the default memory reader)."""
-    return cleanup.cuda_mib()[0]
+    """torch's allocated CUDA memory in MiB (``measure.allocator_mib``); NaN without CUDA.
+
+    The default memory reader of ``try_batch`` and ``largest_batch``.
+
+    Introduced in chapter 3, section 3.2.
+    """
+    return measure.allocator_mib()["allocated_mib"]
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """True for ``torch.OutOfMemoryError`` and for a ``RuntimeError`` whose message reports an allocation failure.
+
+    Introduced in chapter 3, section 3.2.
+    """
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    return isinstance(err, RuntimeError) and any(m in str(err) for m in OOM_MESSAGES)
 
 
 def short_error(message: str) -> str:
-    """The part of an out-of-memory message worth a table cell: "Tried to allocate 2.00 GiB", or its first line."""
+    """The part of an out-of-memory message worth a table cell: "Tried to allocate 2.00 GiB", or its first line.
+
+    Introduced in chapter 3, section 3.2.
+    """
     found = re.search(r"Tried to allocate [\d.]+ [KMGT]?i?B", message)
     if found:
         return found.group(0)
@@ -50,7 +74,10 @@ def short_error(message: str) -> str:
 
 @dataclass(frozen=True)
 class Attempt:
-    """One try: did ``batch_size`` fit, what the step returned, memory after cleanup, the error."""
+    """One try: did ``batch_size`` fit, what the step returned, memory after cleanup, the error.
+
+    Introduced in chapter 3, section 3.1.
+    """
 
     batch_size: int
     fits: bool
@@ -62,17 +89,22 @@ class Attempt:
 def try_batch(
     step: Callable[[int], Any], batch_size: int, *, memory_mib: Callable[[], float] = allocated_mib
 ) -> Attempt:
-    """Run ``step(batch_size)``; on ``torch.OutOfMemoryError`` record the failure instead of raising.
+    """Run ``step(batch_size)``; when it runs out of memory, record the failure instead of raising.
 
-    Any other exception propagates. After the call, successful or not, garbage is collected, the
+    Out of memory is ``torch.OutOfMemoryError`` or a ``RuntimeError`` that ``is_out_of_memory``
+    recognises; any other exception propagates. After the call, successful or not, garbage is collected, the
     CUDA cache is emptied and ``memory_mib()`` is read into ``Attempt.memory_after_mib``.
+
+    Introduced in chapter 3, section 3.1.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     value, error = None, None
     try:
         value = step(batch_size)
-    except torch.OutOfMemoryError as err:
+    except RuntimeError as err:  # torch.OutOfMemoryError is one
+        if not is_out_of_memory(err):
+            raise
         error = short_error(str(err))
     # The except block is over: Python has dropped ``err`` and its traceback, so the failed step's
     # frames (and the tensors they held) can be freed now, not before.
@@ -82,7 +114,10 @@ def try_batch(
 
 @dataclass
 class Search:
-    """The outcome of ``largest_batch``: the largest size that fitted and every attempt, in order."""
+    """The outcome of ``largest_batch``: the largest size that fitted and every attempt, in order.
+
+    Introduced in chapter 3, section 3.2.
+    """
 
     largest: int | None
     attempts: list[Attempt] = field(default_factory=list)
@@ -115,6 +150,8 @@ def largest_batch(
     halving finds one that fits (``largest`` is None when even ``multiple_of`` fails). Bisection
     then narrows the gap. Each size is tried once, with ``try_batch``; memory use is assumed to
     grow with the batch size.
+
+    Introduced in chapter 3, section 3.2.
     """
     if multiple_of < 1:
         raise ValueError(f"multiple_of must be at least 1, got {multiple_of}")

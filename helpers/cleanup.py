@@ -1,80 +1,140 @@
 """Give memory back between experiments, and show that it came back.
 
 Deleting a Python name frees a tensor only when nothing else refers to it. In a notebook the usual
-hidden holders are IPython's output history (``Out``, ``_``, ``__``, ``___``) and a caught
-exception's traceback; ``free`` clears the first, and code that catches an out-of-memory error
-should let the ``except`` block end before calling it.
+hidden holders are IPython's output history (``Out``, ``_``, ``__``, ``___``, ``_3``: every value a
+cell displayed) and a caught exception's traceback; ``free`` clears the first, and code that catches
+an out-of-memory error should let the ``except`` block end before calling it. What is still alive
+afterwards (some other reference holds it) is reported, not hidden.
 """
 
 from __future__ import annotations
 
 import gc
+import re
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from helpers.measure import MIB
+from helpers import measure
+
+_OUTPUT_NAME = re.compile(r"_\d+|_{1,3}")
 
 
 @dataclass(frozen=True)
 class Freed:
-    """What ``free`` removed and how much GPU memory came back (NaN without CUDA)."""
+    """What ``free`` removed, what it could not free, and how much GPU memory came back (NaN without CUDA).
+
+    ``still_alive``: names whose objects something else still refers to after the cleanup (only
+    objects that can be weakly referenced are checked: tensors, modules, optimizers, most classes).
+
+    Introduced in chapter 1, section 1.2.
+    """
 
     names: tuple[str, ...]
     allocated_before_mib: float
     allocated_after_mib: float
     reserved_before_mib: float
     reserved_after_mib: float
+    still_alive: tuple[str, ...] = ()
 
     @property
     def allocated_freed_mib(self) -> float:
+        """Allocated memory given back, in MiB."""
         return self.allocated_before_mib - self.allocated_after_mib
 
     @property
     def reserved_freed_mib(self) -> float:
+        """Reserved memory the allocator handed back to the driver, in MiB."""
         return self.reserved_before_mib - self.reserved_after_mib
 
 
-def cuda_mib() -> tuple[float, float]:
-    """torch's allocated and reserved CUDA memory in MiB; NaN for both before CUDA is in use."""
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return float("nan"), float("nan")
-    return torch.cuda.memory_allocated() / MIB, torch.cuda.memory_reserved() / MIB
-
-
 def collect() -> None:
-    """Collect garbage and hand the allocator's cached blocks back to the driver (on CUDA)."""
+    """Collect garbage and hand the allocator's cached blocks back to the driver (on CUDA).
+
+    Introduced in chapter 3, section 3.2.
+    """
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
 
+def _ipython_shell(namespace: dict[str, Any]):
+    """The running IPython shell whose user namespace is ``namespace``, if there is one."""
+    try:
+        from IPython import get_ipython
+    except ImportError:  # pragma: no cover - IPython is a dependency
+        return None
+    shell = get_ipython()
+    return shell if shell is not None and getattr(shell, "user_ns", None) is namespace else None
+
+
+def _drop_from_history(namespace: dict[str, Any], dropped: set[int], shell=None) -> None:
+    """Remove every output-history reference to a dropped object; the user's own names are left alone.
+
+    The places are those IPython's ``del_var`` clears: ``Out`` (the history manager's output
+    history), ``_N``, ``_``/``__``/``___`` (also kept by the display hook) and the last result.
+    """
+    histories = [namespace.get("Out")]
+    if shell is not None:
+        histories.append(getattr(getattr(shell, "history_manager", None), "output_hist", None))
+    for history in histories:
+        if isinstance(history, dict):
+            for key in [k for k, v in history.items() if id(v) in dropped]:
+                del history[key]
+    spaces = [namespace] + ([shell.user_ns_hidden] if shell is not None else [])
+    for space in spaces:
+        for key in [k for k, v in space.items() if _OUTPUT_NAME.fullmatch(k) and id(v) in dropped]:
+            if key in ("_", "__", "___"):
+                space[key] = None
+            else:
+                del space[key]
+    if shell is not None:
+        hook = getattr(shell, "displayhook", None)
+        for name in ("_", "__", "___"):
+            if id(getattr(hook, name, None)) in dropped:
+                setattr(hook, name, None)
+        last = getattr(shell, "last_execution_result", None)
+        if last is not None and id(getattr(last, "result", None)) in dropped:
+            shell.last_execution_result = None
+
+
 def free(namespace: dict[str, Any], *names: str) -> Freed:
     """Delete ``names`` from ``namespace`` (pass ``globals()``), collect garbage, empty the CUDA cache.
 
-    Also drops any entry of IPython's output history that points at a deleted object. Names that
-    are not in the namespace are ignored, so a cleanup cell can run twice.
+    In a notebook every output-history reference to the deleted objects goes too (the places IPython's
+    own ``del_var`` clears: ``Out``, ``_``, ``_3``, the display hook, the last result); other names
+    you gave the same object are left alone. Names that are not in the namespace are ignored, so a
+    cleanup cell can run twice. ``Freed.still_alive`` names the objects that something else still
+    holds.
 
     >>> freed = free(globals(), "model", "optimizer")
-    >>> freed.allocated_freed_mib
+    >>> freed.allocated_freed_mib, freed.still_alive
+
+    Introduced in chapter 1, section 1.2.
     """
     for name in names:
         if not isinstance(name, str):
             raise TypeError(f"free takes names as strings, got {type(name).__name__}")
-    alloc0, res0 = cuda_mib()
-    dropped = {id(namespace[n]) for n in names if n in namespace}
-    removed = tuple(n for n in names if n in namespace)
+    before = measure.allocator_mib()
+    removed = tuple(dict.fromkeys(n for n in names if n in namespace))
+    watch: dict[str, weakref.ref] = {}
+    for name in removed:
+        try:
+            watch[name] = weakref.ref(namespace[name])
+        except TypeError:  # ints, lists, dicts: cannot be watched
+            pass
+    shell = _ipython_shell(namespace)
+    dropped = {id(namespace[n]) for n in removed}
     for name in removed:
         del namespace[name]
-    history = namespace.get("Out")
-    if isinstance(history, dict):
-        for key in [k for k, v in history.items() if id(v) in dropped]:
-            del history[key]
-    for short in ("_", "__", "___"):
-        if id(namespace.get(short)) in dropped:
-            namespace[short] = None
+    _drop_from_history(namespace, dropped, shell)
+    del dropped
     collect()
-    alloc1, res1 = cuda_mib()
-    return Freed(removed, alloc0, alloc1, res0, res1)
+    after = measure.allocator_mib()
+    alive = tuple(name for name, ref in watch.items() if ref() is not None)
+    return Freed(
+        removed, before["allocated_mib"], after["allocated_mib"], before["reserved_mib"], after["reserved_mib"], alive
+    )

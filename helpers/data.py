@@ -1,7 +1,7 @@
 """Datasets that need no download.
 
-- ``dummy_dataset``: the seeds' random token ids with random labels, for measuring memory and time
-  (what is learned does not matter there).
+- ``dummy_dataset``: random token ids with random labels, as in the Hugging Face guide "Model training
+  anatomy", for measuring memory and time (what is learned does not matter there).
 - ``markov_lm_dataset``: sequences from a fixed random Markov chain in which every token has
   ``branching`` equally likely successors. A causal LM can learn it, and the best possible loss is
   known exactly: ``log(branching)`` nats per token (``markov_loss_floor``), so loss curves mean something.
@@ -35,8 +35,10 @@ def dummy_dataset(
 ) -> Dataset:
     """Random ``input_ids`` in ``[low, high)`` with random labels, as a torch-format ``Dataset``.
 
-    ``task="classification"``: one label per sample in ``[0, num_labels)`` (the seeds' setup).
+    ``task="classification"``: one label per sample in ``[0, num_labels)`` (the Hugging Face guide's setup).
     ``task="causal-lm"``: ``labels`` equal to ``input_ids`` (the model shifts them itself).
+
+    Introduced in chapter 1, section 1.2.
     """
     _check_sizes(n_samples, seq_len)
     if not 0 <= low < high:
@@ -55,7 +57,10 @@ def dummy_dataset(
 
 
 def markov_transitions(vocab_used: int, branching: int, seed: int = 0) -> np.ndarray:
-    """The chain: row ``i`` lists the ``branching`` tokens that may follow token ``i``."""
+    """The chain: row ``i`` lists the ``branching`` tokens that may follow token ``i``.
+
+    Introduced in chapter 3, section 3.3.
+    """
     if not 1 <= branching <= vocab_used:
         raise ValueError(f"need 1 <= branching <= vocab_used, got {branching} and {vocab_used}")
     rng = np.random.default_rng(seed)
@@ -63,7 +68,10 @@ def markov_transitions(vocab_used: int, branching: int, seed: int = 0) -> np.nda
 
 
 def markov_loss_floor(branching: int) -> float:
-    """The lowest achievable mean cross-entropy (nats/token) on ``markov_lm_dataset``."""
+    """The lowest achievable mean cross-entropy (nats/token) on ``markov_lm_dataset``.
+
+    Introduced in chapter 3, section 3.3.
+    """
     return math.log(branching)
 
 
@@ -80,6 +88,8 @@ def markov_lm_dataset(
 
     The chain (``markov_transitions(vocab_used, branching, seed)``) is the same for every sample;
     the samples differ in their random start and choices (drawn with ``seed + 1``).
+
+    Introduced in chapter 3, section 3.3.
     """
     _check_sizes(n_samples, seq_len)
     nxt = markov_transitions(vocab_used, branching, seed)
@@ -104,7 +114,10 @@ def keyword_dataset(
     high: int = 30000,
     seed: int = 0,
 ) -> Dataset:
-    """Classification: label 1 when ``keyword`` occurs in the sequence (half the samples), else 0."""
+    """Classification: label 1 when ``keyword`` occurs in the sequence (half the samples), else 0.
+
+    Introduced in chapter 5, section 5.1.
+    """
     _check_sizes(n_samples, seq_len)
     if not low <= keyword < high:
         raise ValueError(f"keyword must lie in [low, high), got {keyword}")

@@ -16,18 +16,25 @@ import warnings
 import pandas as pd
 import torch
 
+from helpers import measure
 from helpers import profiles as _profiles
 
 PACKAGES = ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "datasets")
 
 
 def is_colab() -> bool:
-    """True inside Google Colab."""
+    """True inside Google Colab (its ``google.colab`` module is loaded).
+
+    Introduced in chapter 1, section 1.1.
+    """
     return "google.colab" in sys.modules
 
 
 def package_version(name: str) -> str:
-    """Installed version of a distribution, or ``"not installed"`` (without importing it)."""
+    """Installed version of a distribution, or ``"not installed"`` (without importing it).
+
+    Introduced in chapter 1, section 1.1.
+    """
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
@@ -35,34 +42,35 @@ def package_version(name: str) -> str:
 
 
 def gpu_info(index: int = 0) -> dict[str, str | float] | None:
-    """Name, total memory (GiB) and driver of GPU ``index`` via NVML; ``None`` without one."""
-    try:
-        import pynvml
+    """Name, total memory (GiB) and driver of CUDA device ``index`` via NVML; ``None`` without one.
 
-        pynvml.nvmlInit()
-    except Exception:
+    ``index`` counts the GPUs this process sees (``CUDA_VISIBLE_DEVICES`` applied), and ``count`` is
+    how many it sees, so the report describes the GPUs the chapter really ran on. Creates no CUDA
+    context.
+
+    Introduced in chapter 1, section 1.1.
+    """
+    count = measure.visible_gpu_count()
+    if index >= count:
         return None
-    try:
-        if pynvml.nvmlDeviceGetCount() <= index:
-            return None
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    import pynvml
+
+    with measure.nvml_device(index) as handle:
         name = pynvml.nvmlDeviceGetName(handle)
         name = name.decode() if isinstance(name, bytes) else name
         driver = pynvml.nvmlSystemGetDriverVersion()
         driver = driver.decode() if isinstance(driver, bytes) else driver
         total = pynvml.nvmlDeviceGetMemoryInfo(handle).total
-        return {
-            "name": name,
-            "memory_gib": round(total / 2**30, 1),
-            "driver": driver,
-            "count": pynvml.nvmlDeviceGetCount(),
-        }
-    finally:
-        pynvml.nvmlShutdown()
+    return {"name": name, "memory_gib": round(total / 2**30, 1), "driver": driver, "count": count}
 
 
 def report(prof: _profiles.Profile | None = None) -> pd.DataFrame:
-    """Where this run's outputs came from: hardware, versions and the profile, as a table."""
+    """Where this run's outputs came from: hardware, versions and the profile, as a table.
+
+    >>> env.report(profiles.get())
+
+    Introduced in chapter 1's setup cell.
+    """
     prof = prof or _profiles.get()
     gpu = gpu_info() if _profiles.cuda_available() else None
     rows: dict[str, str] = {}
@@ -93,6 +101,8 @@ def quiet() -> None:
     - transformers and bitsandbytes log errors only (``TRANSFORMERS_VERBOSITY=error``; the
       ``bitsandbytes`` logger at ERROR), and neither ``datasets`` nor ``transformers`` (through
       ``HF_HUB_DISABLE_PROGRESS_BARS``) draws progress bars.
+
+    Introduced in chapter 1's setup cell.
     """
     warnings.formatwarning = _short_warning
     warnings.filterwarnings("ignore", message="IProgress not found")

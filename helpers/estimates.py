@@ -1,9 +1,24 @@
 """The rules of thumb and formulas that the book's measurements are held against.
 
-Every function returns bytes; divide by ``measure.GIB`` for GiB.
+Every function returns bytes; divide by ``measure.GIB`` for GiB. Model states carry the same
+names as ``accounting.model_state_bytes`` measures: ``weights``, ``gradients``, ``optimizer_states``.
+
+- ``BYTES_PER_PARAM`` / ``model_state_bytes``: bytes per parameter of common training recipes.
+- ``korthikanti_activation_bytes``: activations kept for backward by a transformer layer.
+- ``hf_calculator_training_bytes``: the Hugging Face calculator's "4 x the model" rule.
+- ``zero_model_state_bytes`` / ``zero_table``: per-GPU model states under plain data parallelism
+  and ZeRO stages 1-3 (Rajbhandari et al. 2020, figure 1), with the paper's mixed-precision
+  defaults (2-byte weights and gradients, K = 12 optimizer bytes per parameter) or any other
+  recipe. ``PAPER_7_5B_GB`` is the paper's example, in its units (GB = 10**9 bytes).
+
+>>> zero_model_state_bytes(7.5e9, 64, "zero3")["total"] / 1e9   # 1.875 GB per GPU
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pandas as pd
 
 # Bytes per parameter of the model states (weights, gradients, optimizer states) for common recipes.
 # "mixed_adamw" and "mixed_inference" are the Hugging Face docs' counts (model training anatomy):
@@ -21,7 +36,12 @@ BYTES_PER_PARAM: dict[str, dict[str, int]] = {
 
 
 def model_state_bytes(n_params: int, recipe: str) -> dict[str, int]:
-    """Bytes of weights, gradients and optimizer states for ``n_params`` under ``recipe``."""
+    """Bytes of weights, gradients and optimizer states for ``n_params`` under ``recipe``.
+
+    >>> model_state_bytes(335_000_000, "fp32_adamw")["optimizer_states"] / 2**30   # 2.5 GiB
+
+    Introduced in chapter 1, section 1.3.
+    """
     if recipe not in BYTES_PER_PARAM:
         raise ValueError(f"unknown recipe {recipe!r}; choose one of {', '.join(BYTES_PER_PARAM)}")
     if n_params < 0:
@@ -39,6 +59,8 @@ def korthikanti_activation_bytes(
     masks) and attention that materialises the s x s score matrix. ``attention="flash"`` drops the
     ``5*a*s^2*b`` score/softmax/dropout term, which a fused attention kernel (FlashAttention, SDPA)
     never stores, leaving ``34*s*b*h``.
+
+    Introduced in chapter 1, section 1.4.
     """
     if min(seq_len, batch_size, hidden, heads, layers) <= 0:
         raise ValueError("seq_len, batch_size, hidden, heads and layers must be positive")
@@ -50,5 +72,75 @@ def korthikanti_activation_bytes(
 
 
 def hf_calculator_training_bytes(model_bytes: int) -> int:
-    """The Hugging Face model-memory calculator's training estimate: 4 x the model's size (Adam)."""
+    """The Hugging Face model-memory calculator's training estimate: 4 x the model's size (Adam).
+
+    Introduced in chapter 1, section 1.6.
+    """
     return 4 * model_bytes
+
+
+# --- ZeRO: model states per GPU under data parallelism ----------------------------------------------
+
+STAGES = ("ddp", "zero1", "zero2", "zero3")
+STAGE_LABELS = {
+    "ddp": "DDP (replicated)",
+    "zero1": "ZeRO-1 (P_os)",
+    "zero2": "ZeRO-2 (P_os+g)",
+    "zero3": "ZeRO-3 (P_os+g+p)",
+}
+# Rajbhandari et al. 2020, figure 1: a 7.5B-parameter model, N_d = 64, K = 12, per-GPU model states,
+# in GB as the paper prints them (decimal: 120 GB = 16 bytes x 7.5e9 parameters).
+PAPER_7_5B_GB = {"ddp": 120.0, "zero1": 31.4, "zero2": 16.6, "zero3": 1.9}
+
+
+def zero_model_state_bytes(
+    n_params: float,
+    n_gpus: int,
+    stage: str,
+    *,
+    param_bytes: float = 2,
+    grad_bytes: float = 2,
+    optimizer_bytes: float = 12,
+) -> dict[str, float]:
+    """Per-GPU bytes of model states for ``n_params`` parameters on ``n_gpus`` data-parallel GPUs.
+
+    ``stage``: ``"ddp"`` (every GPU holds everything), ``"zero1"`` (optimizer states partitioned),
+    ``"zero2"`` (+ gradients), ``"zero3"`` (+ weights). The defaults are the paper's mixed
+    precision with Adam: fp16 weights and gradients (2 + 2 bytes) and K = 12 bytes of fp32
+    master weights, momentum and variance. For fp32 weights with autocast and AdamW pass
+    ``param_bytes=4, grad_bytes=4, optimizer_bytes=8``. Returns ``weights``, ``gradients``,
+    ``optimizer_states`` and ``total``, in bytes (floats: a share may be fractional).
+
+    Introduced in chapter 7, section 7.3.
+    """
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; choose one of {', '.join(STAGES)}")
+    if n_params < 0:
+        raise ValueError(f"n_params must be >= 0, got {n_params}")
+    if int(n_gpus) != n_gpus or n_gpus < 1:
+        raise ValueError(f"n_gpus must be a positive integer, got {n_gpus}")
+    if min(param_bytes, grad_bytes, optimizer_bytes) < 0:
+        raise ValueError("bytes per parameter must be >= 0")
+    level = STAGES.index(stage)  # 0 = nothing partitioned ... 3 = everything
+    share = {True: 1 / n_gpus, False: 1.0}
+    out = {
+        "weights": param_bytes * n_params * share[level >= 3],
+        "gradients": grad_bytes * n_params * share[level >= 2],
+        "optimizer_states": optimizer_bytes * n_params * share[level >= 1],
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def zero_table(
+    n_params: float, n_gpus: Sequence[int], *, stages: Sequence[str] = STAGES, **bytes_per_param: float
+) -> pd.DataFrame:
+    """Total per-GPU model-state bytes: one row per GPU count, one column per stage.
+
+    Introduced in chapter 7, section 7.3.
+    """
+    rows = {
+        n: {s: zero_model_state_bytes(n_params, n, s, **bytes_per_param)["total"] for s in stages}
+        for n in n_gpus
+    }
+    return pd.DataFrame(rows).T.rename_axis("GPUs")

@@ -21,6 +21,8 @@ def glue(name: str, value: Any, display_value: bool = False) -> None:
     """Record ``value`` under ``name`` for ``{glue:...}`` references (hidden unless asked).
 
     NumPy scalars are stored as plain Python numbers, so ``{glue:text}`name:.2f``` can format them.
+
+    Introduced in chapter 1's setup cell.
     """
     if not name or not isinstance(name, str):
         raise ValueError("glue needs a non-empty string name")

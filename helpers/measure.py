@@ -14,6 +14,7 @@ with the device synchronised before each clock read.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -32,8 +33,48 @@ GIB = 2**30
 T4_MEMORY_GIB = 14.75
 
 
-def nvml_used_mib(index: int = 0) -> float:
-    """GPU memory in use on device ``index`` as NVML (and ``nvidia-smi``) reports it, in MiB."""
+def _visible_nvml_indices(pynvml) -> list[int]:
+    """NVML indices of the GPUs this process sees, in CUDA's order (``CUDA_VISIBLE_DEVICES`` applied).
+
+    NVML numbers every GPU of the machine; CUDA numbers only the visible ones. With
+    ``CUDA_VISIBLE_DEVICES=2,3`` CUDA's device 0 is NVML's device 2. Entries may be indices or
+    (prefixes of) UUIDs; as in CUDA, the list ends at the first entry that names no GPU.
+    """
+    count = pynvml.nvmlDeviceGetCount()
+    var = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if var is None:
+        return list(range(count))
+    uuids = None
+    visible: list[int] = []
+    for entry in (e.strip() for e in var.split(",")):
+        if entry.isdigit():
+            index = int(entry)
+        elif entry.startswith(("GPU-", "MIG-")):
+            if uuids is None:
+                uuids = []
+                for i in range(count):
+                    uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i))
+                    uuids.append(uuid.decode() if isinstance(uuid, bytes) else uuid)
+            matches = [i for i, u in enumerate(uuids) if u.startswith(entry)]
+            index = matches[0] if len(matches) == 1 else -1
+        else:
+            index = -1
+        if not 0 <= index < count or index in visible:
+            break
+        visible.append(index)
+    return visible
+
+
+@contextmanager
+def nvml_device(index: int = 0) -> Iterator[object]:
+    """An NVML handle for CUDA device ``index`` (the GPU that ``torch.device("cuda", index)`` uses).
+
+    Maps ``index`` through ``CUDA_VISIBLE_DEVICES``, so a process that sees one GPU of a shared
+    machine reads that GPU, not the machine's first. Raises ``RuntimeError`` without NVML (no NVIDIA
+    driver) or when ``index`` is not a visible GPU. Creates no CUDA context.
+
+    Introduced in chapter 1, section 1.1.
+    """
     try:
         import pynvml
 
@@ -41,15 +82,64 @@ def nvml_used_mib(index: int = 0) -> float:
     except Exception as err:  # no driver / no GPU
         raise RuntimeError("NVML needs an NVIDIA GPU and driver; none is available") from err
     try:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        return pynvml.nvmlDeviceGetMemoryInfo(handle).used / MIB
+        visible = _visible_nvml_indices(pynvml)
+        if not 0 <= index < len(visible):
+            raise RuntimeError(f"CUDA device {index} is not visible to this process ({len(visible)} visible)")
+        yield pynvml.nvmlDeviceGetHandleByIndex(visible[index])
     finally:
         pynvml.nvmlShutdown()
 
 
+def visible_gpu_count() -> int:
+    """How many GPUs this process can use (NVML's count with ``CUDA_VISIBLE_DEVICES`` applied); 0 without NVML.
+
+    Introduced in chapter 1, section 1.1.
+    """
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return 0
+    try:
+        return len(_visible_nvml_indices(pynvml))
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def nvml_used_mib(index: int = 0) -> float:
+    """GPU memory in use on CUDA device ``index`` as NVML (and ``nvidia-smi``) reports it, in MiB.
+
+    The whole GPU's use: this process's CUDA context and tensors, and any other process's. ``index``
+    counts the GPUs this process sees (``CUDA_VISIBLE_DEVICES`` applied), as ``torch.device("cuda",
+    index)`` does. Creates no CUDA context.
+
+    >>> nvml_used_mib()
+
+    Introduced in chapter 1, section 1.1.
+    """
+    import pynvml
+
+    with nvml_device(index) as handle:
+        return pynvml.nvmlDeviceGetMemoryInfo(handle).used / MIB
+
+
 def allocator_mib(device: int | str | torch.device | None = None) -> dict[str, float]:
-    """torch's view of GPU memory: allocated, reserved and peak allocated, in MiB."""
-    require_cuda("allocator_mib")
+    """torch's view of GPU memory: allocated, reserved and peak allocated, in MiB.
+
+    The one reader of the caching allocator that every helper uses. Without a CUDA GPU every value
+    is NaN (there is no GPU memory to read); before the first CUDA call it is 0.0 (nothing
+    allocated yet) and reading creates no CUDA context.
+
+    >>> allocator_mib()["peak_allocated_mib"]
+
+    Introduced in chapter 1, section 1.1.
+    """
+    if not torch.cuda.is_available():
+        nan = float("nan")
+        return {"allocated_mib": nan, "reserved_mib": nan, "peak_allocated_mib": nan}
+    if not torch.cuda.is_initialized():
+        return {"allocated_mib": 0.0, "reserved_mib": 0.0, "peak_allocated_mib": 0.0}
     return {
         "allocated_mib": torch.cuda.memory_allocated(device) / MIB,
         "reserved_mib": torch.cuda.memory_reserved(device) / MIB,
@@ -58,19 +148,30 @@ def allocator_mib(device: int | str | torch.device | None = None) -> dict[str, f
 
 
 def synchronize(device: str | torch.device) -> None:
-    """Wait for queued GPU work (no-op on CPU), so a clock read covers the work."""
+    """Wait for queued GPU work (no-op on CPU), so a clock read covers the work.
+
+    Introduced in chapter 1, section 1.3.
+    """
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def reset_peak(device: str | torch.device) -> None:
-    """Make the next peak reading start from the current allocation (CUDA only; no-op on CPU)."""
+    """Make the next peak reading start from the current allocation (CUDA only; no-op on CPU).
+
+    Introduced in chapter 1, section 1.3.
+    """
     if torch.device(device).type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
 
 @dataclass
 class PhaseRecord:
+    """One phase of a ``PhaseRecorder``: its wall time and memory in MiB (NaN on a CPU).
+
+    Introduced in chapter 1, section 1.3.
+    """
+
     phase: str
     time_s: float
     allocated_mib: float
@@ -84,44 +185,62 @@ class PhaseRecorder:
 
     For each phase: the peak counter is reset when it starts, and after it ends the recorder notes
     allocated memory (what the phase left behind) and peak allocated (the most it needed at once).
-    On a CPU the memory columns are NaN; the times are still measured.
+    Phases may nest (``step`` around ``forward`` and ``backward``): an inner phase's reset does not
+    hide an earlier peak from the outer phase, whose peak is the most allocated at any moment inside
+    it. Rows are in the order the phases started. On a CPU the memory columns are NaN; the times are
+    still measured.
 
     >>> rec = PhaseRecorder("cuda")
     >>> with rec.phase("forward"):
     ...     loss = model(**batch).loss
     >>> rec.to_frame()
+
+    Introduced in chapter 1, section 1.3.
     """
 
     device: str | torch.device
     records: list[PhaseRecord] = field(default_factory=list)
+    _open_peaks: list[float] = field(default_factory=list, repr=False)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        """Time the ``with`` block and record its memory under ``name``."""
         cuda = torch.device(self.device).type == "cuda"
         synchronize(self.device)
+        if cuda and self._open_peaks:  # keep the enclosing phase's peak before resetting the counter
+            self._open_peaks[-1] = max(self._open_peaks[-1], allocator_mib(self.device)["peak_allocated_mib"])
         reset_peak(self.device)
+        self._open_peaks.append(0.0)
+        slot = len(self.records)
+        nan = float("nan")
+        self.records.append(PhaseRecord(name, nan, nan, nan, nan))
         start = time.perf_counter()
-        yield
-        synchronize(self.device)
-        elapsed = time.perf_counter() - start
-        if cuda:
-            stats = allocator_mib(self.device)
-            rec = PhaseRecord(
-                name, elapsed, stats["allocated_mib"], stats["peak_allocated_mib"], stats["reserved_mib"]
-            )
-        else:
-            nan = float("nan")
+        try:
+            yield
+        finally:
+            synchronize(self.device)
+            elapsed = time.perf_counter() - start
+            inner_peak = self._open_peaks.pop()
             rec = PhaseRecord(name, elapsed, nan, nan, nan)
-        self.records.append(rec)
+            if cuda:
+                stats = allocator_mib(self.device)
+                peak = max(stats["peak_allocated_mib"], inner_peak)
+                rec = PhaseRecord(name, elapsed, stats["allocated_mib"], peak, stats["reserved_mib"])
+                if self._open_peaks:
+                    self._open_peaks[-1] = max(self._open_peaks[-1], peak)
+            self.records[slot] = rec
 
     def to_frame(self) -> pd.DataFrame:
-        """One row per phase, in the order they ran."""
+        """One row per phase, in the order they started."""
         return pd.DataFrame([vars(r) for r in self.records]).set_index("phase")
 
 
 @dataclass(frozen=True)
 class Timing:
-    """Timed repeats of one function, in seconds."""
+    """Timed repeats of one function, in seconds.
+
+    Introduced in chapter 1, section 1.7.
+    """
 
     times_s: tuple[float, ...]
 
@@ -141,6 +260,8 @@ def time_fn(
     """Time ``fn()``: ``warmup`` untimed calls, then ``repeat`` timed ones, synchronising the device.
 
     >>> time_fn(lambda: x @ x, device="cuda").median_s
+
+    Introduced in chapter 1, section 1.7.
     """
     if warmup < 0 or repeat < 1:
         raise ValueError(f"need warmup >= 0 and repeat >= 1, got warmup={warmup}, repeat={repeat}")
@@ -156,22 +277,44 @@ def time_fn(
     return Timing(tuple(times))
 
 
+# Fractions set by gpu_budget on each device, innermost last: what to restore on exit where torch cannot
+# report the current fraction (get_per_process_memory_fraction is recent).
+_budget_stack: dict[int, list[float]] = {}
+
+
+def _current_fraction(device: int) -> float:
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if getter is not None:
+        return float(getter(device))
+    stack = _budget_stack.get(device)
+    return stack[-1] if stack else 1.0
+
+
 @contextmanager
 def gpu_budget(total_gib: float, device: int = 0) -> Iterator[float]:
     """Emulate a smaller GPU: cap this process's caching allocator at ``total_gib`` GiB.
 
-    Uses ``torch.cuda.set_per_process_memory_fraction`` and restores the full card on exit.
+    Uses ``torch.cuda.set_per_process_memory_fraction`` and, on exit, restores the fraction that was
+    in force before (the full card unless an enclosing ``gpu_budget`` or the caller had set less).
     Yields the fraction of the real card that was allowed. Allocations past the cap raise
     ``torch.OutOfMemoryError`` exactly as a smaller card would (the CUDA context is not counted:
     subtract it from the card's size before calling, as chapter 1 does).
+
+    >>> with gpu_budget(measure.T4_MEMORY_GIB - context_gib):
+    ...     train_step(model, optimizer, batch)
+
+    Introduced in chapter 1, section 1.5.
     """
     require_cuda("gpu_budget")
     if total_gib <= 0:
         raise ValueError(f"total_gib must be positive, got {total_gib}")
     card = torch.cuda.get_device_properties(device).total_memory
     fraction = min(1.0, total_gib * GIB / card)
+    previous = _current_fraction(device)
     torch.cuda.set_per_process_memory_fraction(fraction, device)
+    _budget_stack.setdefault(device, []).append(fraction)
     try:
         yield fraction
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        _budget_stack[device].pop()
+        torch.cuda.set_per_process_memory_fraction(previous, device)

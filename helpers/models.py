@@ -33,7 +33,10 @@ from helpers import profiles as _profiles
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """One registry entry: the hub id of the real model, its config, and the tiny twin's overrides."""
+    """One registry entry: the hub id of the real model, its config, and the tiny twin's overrides.
+
+    Introduced in chapter 1, section 1.1.
+    """
 
     hub_id: str
     config_class: type[PretrainedConfig]
@@ -43,7 +46,7 @@ class ModelSpec:
 
 
 REGISTRY: dict[str, ModelSpec] = {
-    # The seeds' model: BERT-large, 24 layers, hidden 1024, 16 heads (335M with a classifier head).
+    # The Hugging Face guide's model ("Model training anatomy"): BERT-large, 24 layers, hidden 1024, 16 heads (335M with a classifier head).
     "bert-large-uncased": ModelSpec(
         hub_id="google-bert/bert-large-uncased",
         config_class=BertConfig,
@@ -91,14 +94,20 @@ ATTENTION = ("eager", "sdpa")
 
 
 def spec(name: str) -> ModelSpec:
-    """The registry entry for ``name``; a ``ValueError`` lists the known names otherwise."""
+    """The registry entry for ``name``; a ``ValueError`` lists the known names otherwise.
+
+    Introduced in chapter 2, section 2.3.
+    """
     if name not in REGISTRY:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(REGISTRY)}")
     return REGISTRY[name]
 
 
 def config(name: str, profile: str | None = None, **overrides) -> PretrainedConfig:
-    """The config of ``name`` in the given profile (default: the current one), with overrides."""
+    """The config of ``name`` in the given profile (default: the current one), with overrides.
+
+    Introduced in chapter 1, section 1.4.
+    """
     entry = spec(name)
     prof = _profiles.validate(profile) if profile is not None else _profiles.get().name
     kwargs = dict(entry.full)
@@ -119,12 +128,17 @@ def build(
     seed: int = 0,
     **config_overrides,
 ) -> nn.Module:
-    """Build ``name`` with random weights (seeded), directly on ``device`` and in ``dtype``.
+    """Build ``name`` with random weights drawn from ``seed``, directly on ``device`` and in ``dtype``.
+
+    The same ``seed`` gives the same weights. The caller's random state is left as it was: building a
+    model does not reseed torch's generators.
 
     ``head``: ``"causal-lm"``, ``"sequence-classification"`` or ``"base"``.
     ``attn_implementation``: ``"sdpa"`` (PyTorch's fused attention) or ``"eager"`` (plain matmuls
     that store the attention matrix). ``device`` defaults to the profile's device; ``"meta"`` builds
     the structure with no memory, to count parameters of any size.
+
+    Introduced in chapter 1, section 1.1.
     """
     entry = spec(name)
     if head not in entry.heads:
@@ -132,20 +146,33 @@ def build(
     if attn_implementation not in ATTENTION:
         raise ValueError(f"attn_implementation must be one of {', '.join(ATTENTION)}, got {attn_implementation!r}")
     cfg = config(name, profile, **config_overrides)
-    device = device if device is not None else _profiles.get().device
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = _HEAD_CLASSES[head].from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
+    device = torch.device(device if device is not None else _profiles.get().device)
+    cuda = [device] if device.type == "cuda" else []
+    # The weights come from ``seed``; the random generators are given back as they were, so building a
+    # model changes no later random number (dropout masks, batches) of the caller.
+    with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+        torch.random.default_generator.manual_seed(seed)
+        if cuda:
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)
+        with device:
+            model = _HEAD_CLASSES[head].from_config(cfg, dtype=dtype, attn_implementation=attn_implementation)
     return model
 
 
 def n_params(model: nn.Module) -> int:
-    """Number of parameters (shared ones once)."""
+    """Number of parameters (shared ones once).
+
+    Introduced in chapter 1, section 1.1.
+    """
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
 def summary(head: str | None = None) -> pd.DataFrame:
-    """Parameter counts of every registry model, full size and tiny twin (built on ``meta``)."""
+    """Parameter counts of every registry model, full size and tiny twin (built on ``meta``).
+
+    Not used in a chapter yet: the registry's sizes at a glance (chapter 1, section 1.1 builds its models).
+    """
     rows = []
     for name, entry in REGISTRY.items():
         h = head if head in entry.heads else entry.heads[0]
@@ -168,6 +195,8 @@ def save_checkpoint(model: nn.Module, path: str | Path) -> Path:
 
         path = save_checkpoint(build("polyglot-ko-1.3b", head="causal-lm"), "ckpt/polyglot")
         AutoModelForCausalLM.from_pretrained(path, quantization_config=...)
+
+    Introduced in chapter 2, section 2.5.
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -176,7 +205,10 @@ def save_checkpoint(model: nn.Module, path: str | Path) -> Path:
 
 
 def hub_reachable(timeout_s: float = 3.0) -> bool:
-    """True when huggingface.co answers within ``timeout_s`` (and offline mode is not set)."""
+    """True when huggingface.co answers within ``timeout_s`` (and offline mode is not set).
+
+    Not used in a chapter: the chapters never download (see the setup page).
+    """
     if os.environ.get("HF_HUB_OFFLINE") == "1":
         return False
     try:
@@ -191,6 +223,8 @@ def load_real_weights(name: str, *, head: str = "base", dtype: torch.dtype = tor
 
     The book never needs this (memory and time do not depend on the weights' values); it is here
     for readers in Colab who want to fine-tune the real model after a chapter.
+
+    Not used in a chapter: for readers who want the real weights afterwards (see the setup page).
     """
     entry = spec(name)
     if head not in entry.heads:

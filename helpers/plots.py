@@ -38,7 +38,10 @@ COMPONENT_COLORS = {
 
 
 def use_style() -> None:
-    """Apply the book's matplotlib style (call once, in the setup cell)."""
+    """Apply the book's matplotlib style (call once, in the setup cell).
+
+    Introduced in chapter 1's setup cell.
+    """
     mpl.rcParams.update(STYLE)
 
 
@@ -48,6 +51,8 @@ def stacked_bar(
     """One bar per row of ``df``, stacked from its columns (the memory components).
 
     >>> stacked_bar(breakdown_gib, title="Where the memory goes", ylabel="memory (GiB)")
+
+    Introduced in chapter 1, section 1.3.
     """
     if df.empty:
         raise ValueError("stacked_bar needs at least one row and one column")
@@ -82,7 +87,10 @@ def lines(
     logx: bool = False,
     logy: bool = False,
 ) -> plt.Figure:
-    """Plot columns ``ys`` of ``df`` against column ``x``, one line each, labelled by column name."""
+    """Plot columns ``ys`` of ``df`` against column ``x``, one line each, labelled by column name.
+
+    Introduced in chapter 1, section 1.5.
+    """
     missing = [c for c in [x, *ys] if c not in df.columns]
     if missing:
         raise ValueError(f"columns not in the frame: {', '.join(missing)}")

@@ -28,7 +28,10 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Profile:
-    """A run profile: its name and the device the notebook computes on."""
+    """A run profile: its name and the device the notebook computes on.
+
+    Introduced in chapter 1's setup cell.
+    """
 
     name: str
     device: str
@@ -47,12 +50,18 @@ class Profile:
 
 
 def cuda_available() -> bool:
-    """True when torch sees a CUDA device. Does not create a CUDA context."""
+    """True when torch sees a CUDA device. Does not create a CUDA context.
+
+    Introduced in chapter 1's setup cell.
+    """
     return torch.cuda.is_available()
 
 
 def validate(name: str) -> str:
-    """Return ``name`` lower-cased if it is a known profile, else raise ``ValueError``."""
+    """Return ``name`` lower-cased if it is a known profile, else raise ``ValueError``.
+
+    Introduced in chapter 1's setup cell.
+    """
     clean = str(name).strip().lower()
     if clean not in PROFILES:
         raise ValueError(f"unknown profile {name!r}: choose one of {', '.join(PROFILES)}")
@@ -60,7 +69,10 @@ def validate(name: str) -> str:
 
 
 def get(name: str | None = None) -> Profile:
-    """The profile to run: ``name`` if given, else ``$GPUBOOK_PROFILE``, else by hardware."""
+    """The profile to run: ``name`` if given, else ``$GPUBOOK_PROFILE``, else by hardware.
+
+    Introduced in chapter 1's setup cell.
+    """
     device = "cuda" if cuda_available() else "cpu"
     chosen = name if name is not None else os.environ.get(ENV_VAR)
     if chosen is None or chosen == "":
@@ -73,6 +85,8 @@ def cuda_or_skip(what: str) -> bool:
 
     >>> if cuda_or_skip("NVML reads an NVIDIA GPU's memory"):
     ...     print(measure.nvml_used_mib())
+
+    Introduced in chapter 1, section 1.1.
     """
     if cuda_available():
         return True
@@ -81,7 +95,10 @@ def cuda_or_skip(what: str) -> bool:
 
 
 def require_cuda(what: str) -> None:
-    """Raise a one-line ``RuntimeError`` when a GPU-only function is called without CUDA."""
+    """Raise a one-line ``RuntimeError`` when a GPU-only function is called without CUDA.
+
+    Introduced in chapter 1, section 1.1.
+    """
     if not cuda_available():
         raise RuntimeError(f"{what} needs a CUDA GPU; none is available (guard the call with cuda_or_skip)")
 

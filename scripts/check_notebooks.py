@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Notebook hygiene check (BOOK_STANDARD section 5), run in CI on the committed notebooks.
+"""Notebook hygiene check, run in CI on the committed notebooks.
 
 A committed chapter must be one fresh top-to-bottom GPU run: every code cell executed, execution
 counts 1, 2, 3, ...; no error output and no traceback; no machine-local absolute path; no huge

@@ -1,3 +1,5 @@
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -130,3 +132,147 @@ def test_saved_bytes_agree_with_the_allocator():
     held = after - before - out.numel() * out.element_size()
     assert held + x.numel() * x.element_size() == pytest.approx(meter.total_bytes, rel=0.01)
     del out
+
+
+# --- the meter is a pure observer, whatever other saved-tensor hooks are active ----------------------
+
+
+def recording_hooks(log):
+    """An outer saved-tensor hook pair like save_on_cpu's: it stores its own copy and logs each call."""
+
+    def pack(t):
+        log.append("pack")
+        return ("moved", t.detach().clone())
+
+    def unpack(packed):
+        log.append("unpack")
+        return packed[1]
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def test_meter_inside_another_hook_hands_every_tensor_on():
+    """Nested inside save_on_cpu (or any hook), the meter must not switch that hook off."""
+    model = mlp()
+    x = torch.randn(4, 32)
+    model(x).sum().backward()
+    ref = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    log = []
+    with recording_hooks(log), accounting.SavedTensorMeter(model) as meter:
+        loss = model(x).sum()
+    n_packed = log.count("pack")
+    assert n_packed == meter.n_saved > 0  # the outer hook packed every saved tensor
+    assert meter.total_bytes == 4 * 32 * 4 + 4 * 64 * 4  # and the meter still counted them
+    loss.backward()
+    assert log.count("unpack") > 0
+    for p, g in zip(model.parameters(), ref, strict=True):
+        assert torch.equal(p.grad, g)
+
+
+def test_kept_bytes_follow_what_the_outer_hook_stores():
+    model = mlp()
+    with accounting.SavedTensorMeter(model) as plain:
+        model(torch.randn(4, 32)).sum()
+    assert plain.kept_bytes("cpu") == plain.kept_bytes() == plain.total_bytes
+
+    def pack_to_host_bytes(t):  # stores no tensor at all (like writing to disk)
+        return t.detach().numpy().tobytes(), t.shape, t.dtype
+
+    def unpack(packed):
+        data, shape, dtype = packed
+        return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack_to_host_bytes, unpack), \
+            accounting.SavedTensorMeter(model) as offloaded:
+        model(torch.randn(4, 32)).sum().backward()
+    assert offloaded.total_bytes == plain.total_bytes
+    assert offloaded.kept_bytes() == 0
+
+
+def test_meter_refuses_a_hook_entered_inside_it():
+    """A hook pushed inside the meter would hide every saved tensor from it: refuse, do not report 0."""
+    model = mlp()
+    with pytest.raises(RuntimeError, match="innermost saved-tensor hook"):
+        with accounting.SavedTensorMeter(model), torch.autograd.graph.save_on_cpu():
+            model(torch.randn(4, 32))
+
+
+def test_meter_allows_gradient_checkpointing_inside_it():
+    """A checkpointed region stores nothing for backward; the meter counts only what is kept outside it."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = mlp()
+    x = torch.randn(4, 32, requires_grad=True)
+    with accounting.SavedTensorMeter(model) as meter:
+        out = checkpoint(model, x, use_reentrant=False)
+    out.sum().backward()
+    with accounting.SavedTensorMeter(model) as plain:
+        model(x)
+    assert meter.total_bytes < plain.total_bytes
+
+
+# --- one rank's bytes: sharded tensors and wrapped optimizers ----------------------------------------
+
+
+class HalfShard(torch.Tensor):
+    """Stands in for a DTensor sharded over 2 ranks: ``to_local()`` is this rank's half."""
+
+    def to_local(self):
+        return torch.Tensor(self)[: self.shape[0] // 2]
+
+
+def test_sharded_tensors_count_by_their_local_shard():
+    t = torch.zeros(8, 4).as_subclass(HalfShard)
+    assert accounting.tensor_bytes(t) == 4 * 4 * 4
+    assert accounting.local_tensor(torch.zeros(3)).numel() == 3
+
+
+def test_model_states_of_an_unsharded_model_and_a_wrapped_optimizer():
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    adamw = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 8)).sum().backward()
+    adamw.step()
+    direct = accounting.model_state_bytes(model, adamw)
+    assert direct["optimizer_states"] == 2 * direct["weights"]
+    assert accounting.model_state_bytes(model, SimpleNamespace(optimizer=adamw)) == direct  # like accelerate's
+    assert accounting.model_state_bytes(model, SimpleNamespace(optim=adamw)) == direct  # like ZeroRedundancyOptimizer
+    assert accounting.unsharded_param_bytes(model) == accounting.param_bytes(model)
+
+
+def test_inner_optimizer_unwraps_wrappers():
+    adamw = torch.optim.AdamW(nn.Linear(2, 2).parameters())
+    assert accounting.inner_optimizer(adamw) is adamw
+    assert accounting.inner_optimizer(SimpleNamespace(optimizer=adamw)) is adamw
+    assert accounting.inner_optimizer(SimpleNamespace(optim=adamw)) is adamw
+
+
+@pytest.mark.gpu
+def test_meter_inside_save_on_cpu_keeps_nothing_on_the_gpu():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512)).cuda()
+    x = torch.randn(64, 512, device="cuda")
+    with accounting.SavedTensorMeter(model) as plain:
+        model(x)
+    with torch.autograd.graph.save_on_cpu(pin_memory=True), accounting.SavedTensorMeter(model) as offloaded:
+        out = model(x)
+    assert plain.kept_bytes("cuda") == plain.total_bytes > 0
+    assert offloaded.total_bytes == plain.total_bytes
+    assert offloaded.kept_bytes("cuda") == 0 and offloaded.kept_bytes("cpu") >= plain.total_bytes
+    out.sum().backward()
+
+
+@pytest.mark.gpu
+def test_meter_agrees_with_korthikanti_on_a_bert_layer():
+    """On CUDA, bf16, eager attention, dropout on: a BERT layer saves 34sbh + 5as^2b bytes (within 2%)."""
+    from helpers import data, estimates, models
+
+    model = models.build("bert-large-uncased", profile="tiny", head="sequence-classification", device="cuda",
+                         dtype=torch.bfloat16, attn_implementation="eager").train()
+    h, a = model.config.hidden_size, model.config.num_attention_heads
+    for b, s in [(4, 128), (2, 256)]:
+        batch = {k: v.cuda() for k, v in data.dummy_dataset(b, s, seed=1)[:].items()}
+        layers = {f"layer {i}": layer for i, layer in enumerate(model.bert.encoder.layer)}
+        with accounting.SavedTensorMeter(model, group=layers) as meter:
+            model(**batch)
+        assert meter.bytes_by_group["layer 1"] == pytest.approx(estimates.korthikanti_activation_bytes(s, b, h, a), rel=0.02)

@@ -5,7 +5,16 @@ import weakref
 import pytest
 import torch
 
-from helpers import batching
+from helpers import batching, measure
+
+
+@pytest.fixture(autouse=True)
+def counted_release(monkeypatch):
+    """Count the cleanups instead of running them: a full garbage collection per attempt is what made
+    these search tests slow, and what the search does between attempts is pinned separately below."""
+    calls = []
+    monkeypatch.setattr(batching, "release", lambda: calls.append(1))
+    return calls
 
 
 def capacity_step(capacity: int, calls: list[int] | None = None):
@@ -36,8 +45,10 @@ def test_try_batch_catches_out_of_memory_and_keeps_the_short_message():
     assert att.memory_after_mib == 5.0
 
 
-def test_try_batch_frees_the_failed_steps_tensors_before_reading_memory():
-    """The traceback of a caught error holds the step's frames; they must be gone when memory is read."""
+def test_try_batch_frees_the_failed_steps_tensors_before_cleaning_up_and_reading_memory(monkeypatch):
+    """The traceback of a caught error holds the step's frames. The cleanup (empty_cache) and the memory
+    reading must both come after the except block, when those frames and their tensors are gone:
+    emptying the cache while they are alive would leave their blocks reserved."""
     refs = []
 
     def step(batch_size):
@@ -45,9 +56,28 @@ def test_try_batch_frees_the_failed_steps_tensors_before_reading_memory():
         refs.append(weakref.ref(activations))
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
 
-    alive_at_read = []
-    batching.try_batch(step, 4, memory_mib=lambda: float(alive_at_read.append(refs[0]() is not None) or 0))
-    assert alive_at_read == [False]
+    alive_at = []
+    monkeypatch.setattr(batching, "release", lambda: alive_at.append(("release", refs[0]() is not None)))
+    batching.try_batch(step, 4, memory_mib=lambda: float(alive_at.append(("read", refs[0]() is not None)) or 0))
+    assert alive_at == [("release", False), ("read", False)]
+
+
+def test_try_batch_cleans_up_once_per_attempt(counted_release):
+    batching.try_batch(capacity_step(8), 4, memory_mib=lambda: 0.0)
+    batching.try_batch(capacity_step(8), 16, memory_mib=lambda: 0.0)
+    assert len(counted_release) == 2
+
+
+@pytest.mark.parametrize(
+    "message",
+    ["CUDA error: out of memory", "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"],
+)
+def test_try_batch_catches_out_of_memory_reported_as_a_plain_runtime_error(message):
+    def step(batch_size):
+        raise RuntimeError(message)
+
+    att = batching.try_batch(step, 2, memory_mib=lambda: 0.0)
+    assert not att.fits and att.error == message.splitlines()[0][:80]
 
 
 def test_try_batch_lets_other_errors_through_and_rejects_bad_sizes():
@@ -60,9 +90,14 @@ def test_try_batch_lets_other_errors_through_and_rejects_bad_sizes():
         batching.try_batch(capacity_step(8), 0)
 
 
+def test_default_memory_reader_is_the_one_allocator_reader(monkeypatch):
+    monkeypatch.setattr(measure, "allocator_mib", lambda device=None: {"allocated_mib": 12.5})
+    assert batching.allocated_mib() == 12.5
+    assert batching.try_batch(capacity_step(8), 1).memory_after_mib == 12.5
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU reading")
 def test_default_memory_reader_is_nan_without_cuda():
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        pytest.skip("CUDA is initialised here")
     assert math.isnan(batching.allocated_mib())
 
 
@@ -122,7 +157,8 @@ def test_short_error_falls_back_to_the_first_line():
 
 
 @pytest.mark.gpu
-def test_try_batch_gives_cuda_memory_back_after_a_real_out_of_memory():
+def test_try_batch_gives_cuda_memory_back_after_a_real_out_of_memory(monkeypatch):
+    monkeypatch.setattr(batching, "release", batching.cleanup.collect)  # the real cleanup
     torch.ones(1, device="cuda")
     gc.collect()
     torch.cuda.empty_cache()
@@ -137,3 +173,24 @@ def test_try_batch_gives_cuda_memory_back_after_a_real_out_of_memory():
     att = batching.try_batch(step, 1)
     assert not att.fits and att.error.startswith("Tried to allocate")
     assert torch.cuda.memory_allocated() == base
+
+
+@pytest.mark.gpu
+def test_try_batch_empties_the_cache_only_after_the_failed_step_is_gone(monkeypatch):
+    """Reserved memory after the attempt tells the orders apart: emptying the cache while the traceback
+    still holds the step's 256 MiB would leave those blocks reserved."""
+    monkeypatch.setattr(batching, "release", batching.cleanup.collect)  # the real cleanup
+    torch.ones(1, device="cuda")
+    gc.collect()
+    torch.cuda.empty_cache()
+    base_reserved = torch.cuda.memory_reserved()
+    total = torch.cuda.get_device_properties(0).total_memory
+
+    def step(batch_size):
+        keep = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+        too_big = torch.empty(2 * total, dtype=torch.uint8, device="cuda")
+        return keep, too_big
+
+    att = batching.try_batch(step, 1, memory_mib=lambda: torch.cuda.memory_reserved() / 2**20)
+    assert not att.fits
+    assert att.memory_after_mib * 2**20 <= base_reserved + 2 * 2**20  # the 256 MiB went back to the driver

@@ -4,7 +4,7 @@ import weakref
 import pytest
 import torch
 
-from helpers import cleanup
+from helpers import cleanup, measure
 
 
 def test_free_releases_the_objects_it_is_given():
@@ -12,25 +12,72 @@ def test_free_releases_the_objects_it_is_given():
     ref = weakref.ref(ns["model"])
     freed = cleanup.free(ns, "model")
     assert ref() is None
-    assert freed.names == ("model",)
+    assert freed.names == ("model",) and freed.still_alive == ()
     assert "model" not in ns and ns["keep"] == 1
 
 
-def test_free_also_clears_ipython_output_history():
+def test_free_also_clears_output_history_without_a_shell():
     obj = torch.nn.Linear(10, 10)
-    ns = {"m": obj, "Out": {3: obj, 4: "other"}, "_": obj}
+    ns = {"m": obj, "Out": {3: obj, 4: "other"}, "_": obj, "_3": obj}
     ref = weakref.ref(obj)
     del obj
     cleanup.free(ns, "m")
     gc.collect()
     assert ref() is None
-    assert ns["Out"] == {4: "other"}
+    assert ns["Out"] == {4: "other"} and "_3" not in ns
+
+
+@pytest.fixture
+def shell():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    sh = InteractiveShell.instance()
+    yield sh
+    InteractiveShell.clear_instance()
+
+
+def test_free_clears_every_reference_ipython_keeps_to_a_displayed_object(shell):
+    """A cell that ends with ``model`` displays it: IPython then holds it in Out, _, _N and its history."""
+    shell.run_cell("import torch\nmodel = torch.nn.Linear(10, 10)")
+    shell.run_cell("model")  # displayed: now also Out[2], _2, _ and the output history
+    ref = weakref.ref(shell.user_ns["model"])
+    freed = cleanup.free(shell.user_ns, "model")
+    assert ref() is None, "a reference in IPython's output cache kept the model alive"
+    assert freed.still_alive == ()
+    assert "model" not in shell.user_ns
+
+
+def test_free_leaves_other_names_of_the_same_object_alone(shell):
+    """Freeing ``model_run`` must not delete ``model_acc`` when both name one model (chapter 3 relies on it)."""
+    shell.run_cell("import torch\nmodel_acc = torch.nn.Linear(10, 10)\nmodel_run = model_acc")
+    shell.run_cell("model_run")  # displayed as well
+    freed = cleanup.free(shell.user_ns, "model_run")
+    assert "model_acc" in shell.user_ns and "model_run" not in shell.user_ns
+    assert freed.still_alive == ("model_run",)  # still held, by model_acc: reported, not hidden
+    assert all(v is not shell.user_ns["model_acc"] for v in shell.history_manager.output_hist.values())
+
+
+def test_free_reports_what_it_could_not_free():
+    model = torch.nn.Linear(10, 10)
+    ns = {"model": model, "n": 3}
+    freed = cleanup.free(ns, "model", "n")
+    assert freed.names == ("model", "n")
+    assert freed.still_alive == ("model",)  # the local variable above still holds it; ints are not checked
+    del model
 
 
 def test_free_ignores_missing_names_and_rejects_objects():
     assert cleanup.free({}, "nothing").names == ()
     with pytest.raises(TypeError, match="names as strings"):
         cleanup.free({}, torch.ones(1))
+
+
+def test_free_reads_memory_through_the_one_allocator_reader(monkeypatch):
+    readings = iter([{"allocated_mib": 300.0, "reserved_mib": 512.0, "peak_allocated_mib": 300.0},
+                     {"allocated_mib": 44.0, "reserved_mib": 64.0, "peak_allocated_mib": 300.0}])
+    monkeypatch.setattr(measure, "allocator_mib", lambda device=None: next(readings))
+    freed = cleanup.free({"x": 1}, "x")
+    assert (freed.allocated_freed_mib, freed.reserved_freed_mib) == (256.0, 448.0)
 
 
 @pytest.mark.gpu

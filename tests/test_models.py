@@ -72,3 +72,31 @@ def test_real_weights_refused_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(RuntimeError, match="not reachable"):
         models.load_real_weights("bert-large-uncased")
+
+
+def test_build_leaves_the_callers_random_state_alone():
+    """Building a model must not reseed the global generator: later dropout masks and batches stay the caller's."""
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    models.build("bert-large-uncased", profile="tiny", head="base", device="cpu", seed=0)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_build_with_the_same_seed_gives_the_same_weights_whatever_the_state():
+    torch.manual_seed(1)
+    a = models.build("polyglot-ko-1.3b", profile="tiny", head="causal-lm", device="cpu", seed=7)
+    torch.manual_seed(2)
+    b = models.build("polyglot-ko-1.3b", profile="tiny", head="causal-lm", device="cpu", seed=7)
+    c = models.build("polyglot-ko-1.3b", profile="tiny", head="causal-lm", device="cpu", seed=8)
+    assert all(torch.equal(pa, pb) for pa, pb in zip(a.parameters(), b.parameters(), strict=True))
+    assert not torch.equal(a.gpt_neox.embed_in.weight, c.gpt_neox.embed_in.weight)
+
+
+@pytest.mark.gpu
+def test_build_on_cuda_leaves_the_cuda_generator_alone():
+    torch.cuda.manual_seed(123)
+    expected = torch.rand(3, device="cuda")
+    torch.cuda.manual_seed(123)
+    models.build("bert-large-uncased", profile="tiny", head="base", device="cuda", seed=0)
+    assert torch.equal(torch.rand(3, device="cuda"), expected)

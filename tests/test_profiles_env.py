@@ -39,10 +39,14 @@ def test_cuda_guard_prints_one_line_on_cpu(capsys, monkeypatch):
 
 
 def test_report_names_versions_and_profile():
+    import transformers
+
     df = env.report(profiles.Profile("tiny", "cpu"))
     for key in ("GPU", "torch", "transformers", "peft", "bitsandbytes", "profile"):
         assert key in df.index
-    assert df.loc["torch", "value"] == env.package_version("torch")
+    # the versions the packages themselves report, not read back through the same helper
+    assert df.loc["torch", "value"] == torch.__version__
+    assert df.loc["transformers", "value"] == transformers.__version__
     assert df.loc["profile", "value"].startswith("tiny")
     if not torch.cuda.is_available():
         assert df.loc["GPU", "value"] == "none (CPU run)"
@@ -52,8 +56,16 @@ def test_package_version_of_missing_package():
     assert env.package_version("surely-not-a-real-package-xyz") == "not installed"
 
 
-def test_not_colab():
+def test_colab_is_recognised_by_its_module(monkeypatch):
+    import sys
+    import types
+
+    monkeypatch.delitem(sys.modules, "google.colab", raising=False)
     assert env.is_colab() is False
+    monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
+    assert env.is_colab() is True
+    df = env.report(profiles.Profile("tiny", "cpu"))
+    assert df.loc["Colab", "value"] == "yes"
 
 
 def test_quiet_formats_warnings_without_paths(monkeypatch):

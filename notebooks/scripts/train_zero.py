@@ -29,7 +29,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from helpers import data, distributed, measure, models
+from helpers import accounting, data, distributed, measure, models
 from helpers.measure import MIB
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "accelerate")
@@ -82,13 +82,13 @@ def train(strategy: str, args: argparse.Namespace, device: torch.device) -> tupl
         batch = {k: v.to(device) for k, v in batches[step * args.batch:(step + 1) * args.batch].items()}
         with rec.phase(f"{step}:forward"), torch.autocast(device.type, torch.bfloat16, enabled=args.bf16):
             loss = model(**batch).loss
-        gathered = distributed.unsharded_param_bytes(model)  # whole parameters held now
+        gathered = accounting.unsharded_param_bytes(model)  # whole parameters held now
         with rec.phase(f"{step}:backward"):
             backward(loss)
         with rec.phase(f"{step}:step"):
             optimizer.step()
-        held = distributed.local_model_state_bytes(model, optimizer)
-        gathered -= distributed.unsharded_param_bytes(model)  # minus those held at rest as well
+        held = accounting.model_state_bytes(model, optimizer)
+        gathered -= accounting.unsharded_param_bytes(model)  # minus those held at rest as well
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     phases = rec.to_frame()
@@ -96,8 +96,8 @@ def train(strategy: str, args: argparse.Namespace, device: torch.device) -> tupl
     step_times = timed["time_s"].to_numpy().reshape(args.steps, 3).sum(axis=1)
     record |= {
         "strategy": strategy, "world_size": world, "rank": rank, "status": "ok",
-        "wrapped_as": type(model).__name__, "optimizer": type(distributed.inner_optimizer(optimizer)).__name__,
-        "params_mib": held["parameters"] / MIB, "grads_mib": held["gradients"] / MIB,
+        "wrapped_as": type(model).__name__, "optimizer": type(accounting.inner_optimizer(optimizer)).__name__,
+        "params_mib": held["weights"] / MIB, "grads_mib": held["gradients"] / MIB,
         "optimizer_states_mib": held["optimizer_states"] / MIB, "gathered_params_mib": gathered / MIB,
         "peak_allocated_mib": float(timed["peak_allocated_mib"].max()),
         "step_time_s": statistics.median(step_times), "losses": losses,
@@ -106,21 +106,21 @@ def train(strategy: str, args: argparse.Namespace, device: torch.device) -> tupl
 
 
 def run_strategy(strategy: str, args: argparse.Namespace, device: torch.device) -> dict:
-    """``train`` with an out-of-memory guard, then free everything and note what was left."""
+    """``train``, then free everything and note what was left.
+
+    Out of memory on any rank ends the whole launch with one clear line (the other ranks would otherwise
+    wait for this one in their next collective until NCCL's timeout).
+    """
     cuda = device.type == "cuda"
     before = torch.cuda.memory_allocated(device) / MIB if cuda else float("nan")
-    alive = None
-    try:
+    with distributed.exit_all_ranks_on_oom(f"{strategy} training"):
         record, alive = train(strategy, args, device)
-    except torch.OutOfMemoryError:
-        record = {"strategy": strategy, "world_size": dist.get_world_size(), "rank": dist.get_rank(),
-                  "status": "out of memory"}
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
     record["allocated_before_mib"] = before
     record["allocated_after_mib"] = torch.cuda.memory_allocated(device) / MIB if cuda else float("nan")
-    record["model_freed"] = alive is None or alive() is None
+    record["model_freed"] = alive() is None
     record |= {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "backend": dist.get_backend(),
                "bf16_autocast": args.bf16, "batch_per_rank": args.batch, "seq_len": args.seq}
     dist.barrier()
