@@ -27,6 +27,11 @@ Several processes
 - ``distributed`` inside a launched script: join the process group, fail all ranks together
 - ``launching``   start ``torchrun`` / ``accelerate launch`` from a notebook, stop them cleanly
 
+Time and memory over time (chapter 8)
+- ``profiler``    ``torch.profiler`` reduced to a category table, GPU-busy, phases and a timeline figure
+- ``timing``      timing GPU work honestly: wall, CUDA-event and host clocks, spread, GPU-busy, a verdict
+- ``memsnap``     the allocator's history: memory over time by origin, its peak, the survivors of a step
+
 Showing results
 - ``plots``       one figure style, stacked memory bars, line series
 - ``glue``        glue numbers into the book's prose

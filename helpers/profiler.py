@@ -225,11 +225,12 @@ class StepProfile:
         runtime = self.events[self.events["cat"].isin(["cuda_runtime", "cuda_driver"])]
         return round(runtime["name"].str.match(LAUNCH_CALLS).sum() / self.steps)
 
-    def _timed_rows(self) -> tuple[pd.DataFrame, str]:
+    def _timed_rows(self, use_phases: bool = True) -> tuple[pd.DataFrame, str]:
         """GPU events with their durations, or CPU operators with self times on a CPU run."""
         if self.on_gpu:
             g = self.gpu_events.copy()
-            g["category"] = [kernel_category(n, cat=c, phase=p) for n, c, p in zip(g["name"], g["cat"], g["phase"], strict=True)]
+            phases = g["phase"] if use_phases else [None] * len(g)
+            g["category"] = [kernel_category(n, cat=c, phase=p) for n, c, p in zip(g["name"], g["cat"], phases, strict=True)]
             g["time_us"] = g["dur_us"]
             return g, "GPU"
         ops = self.cpu_ops.copy()
@@ -237,9 +238,16 @@ class StepProfile:
         ops["category"] = [cpu_op_category(n, phase=p) for n, p in zip(ops["name"], ops["phase"], strict=True)]
         return ops, "CPU self"
 
-    def categories(self) -> pd.DataFrame:
-        """Time per category per step (ms) and its share; the rows add up to the total (GPU or CPU self) time."""
-        rows, what = self._timed_rows()
+    def categories(self, *, use_phases: bool = True) -> pd.DataFrame:
+        """Time per category per step (ms) and its share; the rows add up to the total (GPU or CPU self) time.
+
+        With ``use_phases=False`` kernels are sorted by name only (the optimizer's element-wise kernels
+        then count as element-wise): the way to compare with a step whose phases the profiler cannot
+        see, such as a replayed CUDA graph.
+
+        Introduced in chapter 8, section 8.2.
+        """
+        rows, what = self._timed_rows(use_phases)
         per = rows.groupby("category")["time_us"].sum().reindex(CATEGORIES, fill_value=0.0) / self.steps / 1e3
         total = per.sum()
         return pd.DataFrame({f"{what} time (ms/step)": per, "share": per / total if total > 0 else per})

@@ -107,7 +107,7 @@ def require_cuda(what: str) -> None:
 class Capability:
     """What a GPU's generation can do, from its compute capability (major.minor).
 
-    Introduced in chapter 8. bf16 and TF32 tensor cores and FlashAttention need compute capability
+    Introduced in chapter 8's setup cell. bf16 and TF32 tensor cores and FlashAttention need compute capability
     8.0 (Ampere) or newer: a T4 (7.5) runs bf16 only through slow fallbacks, and its bf16 SDPA uses
     the math kernel, which stores the s x s attention matrix. fp16 tensor cores exist from 7.0 (V100).
     """

@@ -77,15 +77,17 @@ class Spread:
 def verdict(gpu_busy: float | None, host_fraction: float | None) -> str:
     """One word for what limits the timed call.
 
-    ``gpu_busy``: the fraction of wall time some kernel ran (``None`` on a CPU);
+    ``gpu_busy``: the fraction of wall time in which some kernel ran (``None`` on a CPU);
     ``host_fraction``: host enqueue time over wall time.
 
     - ``"CPU run"``: no GPU, wall time only;
     - ``"GPU-bound"``: kernels ran at least ``GPU_BOUND_BUSY`` of the time;
-    - ``"host-bound"``: the GPU was busy less than ``HOST_BOUND_BUSY`` of the time *and* the host
-      needed most of the wall time to issue the work (Python, dispatch and launches are the limit);
-    - ``"GPU idle, host waiting"``: the GPU was mostly idle but the host was not busy issuing work
-      either (a synchronisation, a data-loading wait or a CPU-side computation inside the call);
+    - ``"host-bound"``: the CPU needed longer to *issue* the work than the GPU needed to *run* it
+      (``host_fraction > gpu_busy``), and issuing took at least half the wall time: Python, the
+      dispatcher and kernel launches are the limit;
+    - ``"GPU idle, host waiting"``: the GPU was busy less than ``HOST_BOUND_BUSY`` of the time and
+      the host issued work less than half of it: the call waits on something else (a
+      synchronisation, a data-loading wait, a CPU-side computation);
     - ``"mixed"``: in between.
 
     Introduced in chapter 8, section 8.1.
@@ -96,9 +98,9 @@ def verdict(gpu_busy: float | None, host_fraction: float | None) -> str:
         raise ValueError(f"gpu_busy must be a fraction in [0, 1], got {gpu_busy}")
     if gpu_busy >= GPU_BOUND_BUSY:
         return "GPU-bound"
-    if gpu_busy < HOST_BOUND_BUSY:
-        if host_fraction is not None and host_fraction >= 0.8:
-            return "host-bound"
+    if host_fraction is not None and host_fraction >= 0.5 and host_fraction > gpu_busy:
+        return "host-bound"
+    if gpu_busy < HOST_BOUND_BUSY and (host_fraction is None or host_fraction < 0.5):
         return "GPU idle, host waiting"
     return "mixed"
 

@@ -34,8 +34,11 @@ def test_spread_needs_samples():
         (0.95, 0.1, "GPU-bound"),
         (0.8, 1.0, "GPU-bound"),
         (0.1, 0.95, "host-bound"),
+        (0.34, 0.75, "host-bound"),  # a step whose optimizer tail runs after the host is done
         (0.1, 0.3, "GPU idle, host waiting"),
-        (0.6, 0.9, "mixed"),
+        (0.6, 0.9, "host-bound"),
+        (0.6, 0.4, "mixed"),
+        (0.75, 0.58, "mixed"),
         (None, None, "CPU run"),
     ],
 )
@@ -147,6 +150,8 @@ def test_from_trace_computes_busy_phases_and_categories(tmp_path):
     assert cats.sum() == pytest.approx(p.gpu_ms)
     assert cats["GEMM"] == pytest.approx(0.02) and cats["optimizer"] == pytest.approx(0.01)
     assert cats["element-wise / normalisation"] == pytest.approx(0.02)
+    by_name = p.categories(use_phases=False)["GPU time (ms/step)"]
+    assert by_name["optimizer"] == 0 and by_name["element-wise / normalisation"] == pytest.approx(0.03)
     ph = p.phases()
     assert list(ph.index) == ["forward", "optimizer"]
     assert ph.loc["forward", "GPU time (ms/step)"] == pytest.approx(0.04)
