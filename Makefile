@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv book test unit notebooks hygiene site lint gpu-run clean
+.PHONY: venv book test unit notebooks hygiene site site-test chromium lint gpu-run clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,7 @@ venv: $(STAMP)
 book: $(STAMP) site
 	@echo "The book is built: open $(CURDIR)/_build/html/index.html"
 
-test: $(STAMP) lint unit notebooks hygiene site
+test: $(STAMP) lint unit notebooks hygiene site site-test
 
 unit:
 	$(BIN)/python -m pytest tests -q -p no:cacheprovider
@@ -35,6 +35,23 @@ hygiene:
 
 site:
 	$(BIN)/jupyter-book build . --warningiserror --nitpick --keep-going
+
+# Every page of the built site in headless Chromium, served on loopback: console errors, missing images,
+# broken links and anchors, unrendered TeX, raw MyST roles, NaN cells, requests leaving the machine.
+# Screenshots and page weights land in _build/site-test/. Chromium is the Debian package, installed
+# here when missing; only if that install fails is the test skipped, saying so.
+site-test: site
+	@if command -v chromium >/dev/null || command -v chromium-browser >/dev/null || [ -n "$$CHROMIUM" ]; then \
+	  $(BIN)/python scripts/site_test.py --html _build/html --out _build/site-test; \
+	elif $(MAKE) --no-print-directory chromium; then \
+	  $(BIN)/python scripts/site_test.py --html _build/html --out _build/site-test; \
+	else \
+	  $(BIN)/python scripts/site_test.py --html _build/html --out _build/site-test --allow-skip; \
+	fi
+
+chromium:
+	@if [ "$$(id -u)" = 0 ]; then S=; else S="sudo -n"; fi; \
+	$$S apt-get update -q >/dev/null && $$S env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null
 
 lint:
 	$(BIN)/ruff check helpers tests scripts notebooks
