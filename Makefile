@@ -54,7 +54,7 @@ chromium:
 	$$S apt-get update -q >/dev/null && $$S env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null
 
 lint:
-	$(BIN)/ruff check helpers tests scripts notebooks
+	$(BIN)/ruff check helpers tests scripts notebooks book/_ext
 
 # Maintainers, on a GPU machine: execute the chapters in the full profile, in place, then check them.
 gpu-run:

@@ -39,7 +39,7 @@ from urllib.parse import unquote, urldefrag, urlparse
 # Text that must never be visible on a rendered page.
 RAW_ROLE = re.compile(r"\{(?:glue(?::\w+)?|cite(?::\w+)?|ref|doc|numref|term|eq|math|py:\w+|download)\}`")
 RAW_DIRECTIVE = re.compile(r"^\s*(?::::*|```+)\s*\{[\w:-]+\}", re.M)
-RAW_TEX = re.compile(r"(?<![\\\w])\$[^$\s][^$\n]*\\[A-Za-z]+[^$\n]*\$|\\\(|\\\)|\\\[|\\\]|\\begin\{|\$\$")
+RAW_TEX = re.compile(r"(?<![\\\w])\$(?=\S)[^$\n]*?\\[A-Za-z]+[^$\n]*\$|\\\(|\\\)|\\\[|\\\]|\\begin\{|\$\$")
 NAN_CELL = re.compile(r"^\s*(NaN|nan|<NA>)\s*$")
 SKIP_DIRS = {"_static", "_sources", "_images", "_downloads"}
 CHAPTER_FOR_SCREENSHOT = "notebooks/01_memory_anatomy.html"
@@ -123,7 +123,7 @@ def check_links(html_dir: Path, page: str, links: list[str], anchors_of) -> list
 ID_RE = re.compile(r"""\s(?:id|name)=["']([^"']+)["']""")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def anchors_in(path: Path) -> frozenset[str]:
     """The ids and names defined in an HTML file."""
     return frozenset(ID_RE.findall(path.read_text(encoding="utf-8", errors="replace")))
