@@ -201,8 +201,15 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+REFRESH = re.compile(r"""<meta http-equiv=["']refresh["'] content=["'][^"']*url=([^"']+)["']""", re.I)
+
+
 def _check_page(context, origin: str, html_dir: Path, out_dir: Path, page_path: str) -> PageResult:
     res = PageResult(page_path)
+    redirect = REFRESH.search((html_dir / page_path).read_text(encoding="utf-8", errors="replace"))
+    if redirect:  # index.html only forwards to the landing page, which is loaded on its own
+        res.problems += check_links(html_dir, page_path, [redirect.group(1)], anchors_in)
+        return res
     page = context.new_page()
     sizes: dict[str, int] = {}
 
@@ -234,10 +241,13 @@ def _check_page(context, origin: str, html_dir: Path, out_dir: Path, page_path: 
     page.on("pageerror", lambda e: res.problems.append(f"script error: {e}"))
     page.on("requestfailed", lambda r: r.url.startswith(origin)
             and res.problems.append(f"failed to load: {r.url[len(origin):]}"))
-    page.goto(f"{origin}/{page_path}", wait_until="load")
-    page.wait_for_load_state("networkidle")
-    # MathJax typesets asynchronously; wait for it where the page loaded it.
-    page.evaluate("() => (window.MathJax && MathJax.startup && MathJax.startup.promise) || null")
+    page.goto(f"{origin}/{page_path}", wait_until="load", timeout=60_000)
+    # MathJax typesets asynchronously (and fetches its fonts): wait for it where the page loaded it, then
+    # for the web fonts. No "network idle" wait: a page may keep a request open without being unfinished.
+    page.wait_for_function("() => !document.querySelector('.math') || (window.MathJax && MathJax.startup"
+                           " && MathJax.startup.promise)", timeout=30_000)
+    page.evaluate("async () => { if (window.MathJax && MathJax.startup) await MathJax.startup.promise;"
+                  " await document.fonts.ready; }")
     probe = page.evaluate(PAGE_PROBE)
     res.problems += text_problems(probe["text"])
     for img in probe["imgs"]:
