@@ -11,7 +11,7 @@ VENV_ARGS ?=
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv book test unit notebooks hygiene site lint gpu-run clean
+.PHONY: venv book test unit notebooks hygiene site site-test chromium lint gpu-run clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV_ARGS) $(VENV)
@@ -25,7 +25,7 @@ venv: $(STAMP)
 book: $(STAMP) site
 	@echo "The book is built: open $(CURDIR)/_build/html/index.html"
 
-test: $(STAMP) lint unit notebooks hygiene site
+test: $(STAMP) lint unit notebooks hygiene site site-test
 
 unit:
 	$(BIN)/python -m pytest tests -q -p no:cacheprovider
@@ -40,8 +40,25 @@ hygiene:
 site:
 	$(BIN)/jupyter-book build . --warningiserror --nitpick --keep-going
 
+# Every page of the built site in headless Chromium, served on loopback: console errors, missing images,
+# broken links and anchors, unrendered TeX, raw MyST roles, NaN cells, requests leaving the machine.
+# Screenshots and page weights land in _build/site-test/. Chromium is the Debian package, installed
+# here when missing; only if that install fails is the test skipped, saying so.
+site-test: site
+	@if command -v chromium >/dev/null || command -v chromium-browser >/dev/null || [ -n "$$CHROMIUM" ]; then \
+	  $(BIN)/python scripts/site_test.py --html _build/html --out _build/site-test; \
+	elif $(MAKE) --no-print-directory chromium; then \
+	  $(BIN)/python scripts/site_test.py --html _build/html --out _build/site-test; \
+	else \
+	  $(BIN)/python scripts/site_test.py --html _build/html --out _build/site-test --allow-skip; \
+	fi
+
+chromium:
+	@if [ "$$(id -u)" = 0 ]; then S=; else S="sudo -n"; fi; \
+	$$S apt-get update -q >/dev/null && $$S env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null
+
 lint:
-	$(BIN)/ruff check helpers tests scripts notebooks
+	$(BIN)/ruff check helpers tests scripts notebooks book/_ext
 
 # Maintainers, on a GPU machine: execute the chapters in the full profile, in place, then check them.
 gpu-run:
