@@ -39,13 +39,28 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "V100": {"fp16": 125.0, "fp32": 15.7},
 }
 
+# Datasheet memory bandwidth (GB/s, decimal: 10**9 bytes per second), matched like PEAK_TFLOPS. A100s are
+# left out on purpose: their bandwidth depends on the memory size and form factor, which the name alone
+# does not always tell.
+PEAK_BANDWIDTH_GB_S: dict[str, float] = {
+    "H200": 4800.0,
+    "H200 NVL": 4800.0,
+    "H100": 3350.0,
+    "H100 NVL": 3900.0,
+    "H100 PCIe": 2000.0,
+    "L40S": 864.0,
+    "L4": 300.0,
+    "T4": 320.0,
+    "V100": 900.0,
+}
+
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 def matmul_params(model: nn.Module) -> int:
     """N of the FLOP formula: elements of every ``nn.Linear`` weight (shared weights once).
 
-    Not used in a chapter yet: the N of the MFU formula in the glossary.
+    Introduced in chapter 8, section 8.3 (the FLOPs of the matrix products inside bert-large).
     """
     weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Linear)}
     return sum(w.numel() for w in weights.values())
@@ -66,13 +81,14 @@ def _words(name: str) -> set[str]:
     return set(re.split(r"[\s\-_]+", name.strip().lower())) - {""}
 
 
-def gpu_key(device_name: str) -> str | None:
-    """The ``PEAK_TFLOPS`` key for ``device_name`` (the most specific whose words all occur in it), or None.
+def gpu_key(device_name: str, table: dict | None = None) -> str | None:
+    """The key of ``table`` (default ``PEAK_TFLOPS``) for ``device_name``: the most specific key whose
+    words all occur in the name, or None.
 
     Introduced in chapter 5, section 5.5.
     """
     words = _words(device_name)
-    matches = [key for key in PEAK_TFLOPS if _words(key) <= words]
+    matches = [key for key in (PEAK_TFLOPS if table is None else table) if _words(key) <= words]
     return max(matches, key=lambda k: len(_words(k))) if matches else None
 
 
@@ -94,6 +110,20 @@ def peak_tflops(device_name: str, dtype: torch.dtype | str) -> float:
     if key not in table:
         raise ValueError(f"{name} has no {key} peak in the table; known: {', '.join(table)}")
     return table[key]
+
+
+def peak_bandwidth_gb_s(device_name: str) -> float:
+    """Datasheet memory bandwidth of ``device_name`` in GB/s (10**9 bytes per second).
+
+    Raises ``ValueError`` for a GPU not in ``PEAK_BANDWIDTH_GB_S`` (an A100, whose bandwidth depends on
+    the model, among them).
+
+    Introduced in chapter 8, section 8.3.
+    """
+    key = gpu_key(device_name, PEAK_BANDWIDTH_GB_S)
+    if key is None:
+        raise ValueError(f"unknown GPU {device_name!r}: no datasheet bandwidth; known: {', '.join(PEAK_BANDWIDTH_GB_S)}")
+    return PEAK_BANDWIDTH_GB_S[key]
 
 
 def throughput(n_samples: int, seq_len: int, time_s: float) -> dict[str, float]:

@@ -8,17 +8,17 @@ ends. So each timed call records three clocks:
 
 - **wall**: from the start of the call until the GPU has finished its work (``synchronize``);
 - **GPU**: CUDA events recorded on the stream just before and just after the call. On an idle
-  stream this is the span from the first queued work to the last, gaps included: close to wall
-  time, and it excludes the host's time before the first launch and after the last;
+  stream the first event completes as soon as it is recorded, so this is the span from the start of
+  the call to the end of its last kernel, idle gaps included: close to wall time;
 - **host enqueue**: from the start of the call until it returns, before synchronising: the time
   the CPU needs to issue the work.
 
 When the host needs about as long to issue the work as the GPU needs to run it, the GPU waits for
 Python and kernel launches (*host-bound*, also called launch-bound or overhead-bound); when the host
 is done early and then waits, the GPU had a queue (*GPU-bound*). A host that synchronises inside
-the call (``.item()``, printing a loss) also makes enqueue ≈ wall, so on CUDA ``time_it`` runs one
-more call under ``torch.profiler`` and measures the **GPU-busy fraction**: the time some kernel or
-copy was running, over the call's wall time. The verdict rests on that number.
+the call (``.item()``, printing a loss) also makes enqueue ≈ wall, so on CUDA ``time_it`` runs a few
+more calls under ``torch.profiler`` and measures the **GPU-busy fraction**: the time some kernel or
+copy was running, over the call's unprofiled wall time. The verdict rests on that number.
 
 Why not ``torch.utils.benchmark.Timer``? It synchronises and repeats correctly, but reports one
 clock only; the split into GPU, host and busy time is the point here.
@@ -32,7 +32,9 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -107,7 +109,7 @@ def verdict(gpu_busy: float | None, host_fraction: float | None) -> str:
 
 @dataclass(frozen=True)
 class Timed:
-    """Repeated timings of one call (seconds), with the GPU-busy fraction of one profiled call.
+    """Repeated timings of one call (seconds), with the GPU-busy fraction measured on profiled calls.
 
     Introduced in chapter 8, section 8.1.
     """
@@ -118,7 +120,9 @@ class Timed:
     gpu_busy: float | None  # None on a CPU, or when not measured
     kernels_per_call: int | None  # GPU operations (kernels, copies, memsets) of the profiled call
     device: str
-    kernel_s: float | None = None  # summed duration of those operations in the profiled call
+    kernel_s: float | None = None  # summed duration of those operations per call (profiled calls' mean)
+    loop_s: tuple[float, ...] | None = None  # per-call time of calls run back to back (``loop`` > 0)
+    profile: Any = field(default=None, repr=False, compare=False)  # the profiler.StepProfile behind busy
 
     @property
     def wall(self) -> Spread:
@@ -131,6 +135,10 @@ class Timed:
     @property
     def gpu(self) -> Spread | None:
         return Spread.of(self.gpu_s) if self.gpu_s else None
+
+    @property
+    def loop(self) -> Spread | None:
+        return Spread.of(self.loop_s) if self.loop_s else None
 
     @property
     def median_s(self) -> float:
@@ -175,6 +183,9 @@ class Timed:
             row["GPU busy"] = self.gpu_busy
             row[f"GPU kernel time ({unit})"] = self.kernel_s * scale if self.kernel_s is not None else None
             row["GPU ops per call"] = self.kernels_per_call
+        if self.loop_s:
+            row[f"back to back, per call ({unit})"] = self.loop.median * scale
+            row[f"back to back IQR ({unit})"] = self.loop.iqr * scale
         row["repeats"] = len(self.wall_s)
         row["verdict"] = self.verdict
         return row
@@ -187,31 +198,47 @@ def time_it(
     warmup: int = 3,
     repeat: int = 10,
     busy: bool = True,
+    loop: int = 0,
+    profile_steps: int = 3,
+    trace_path: str | Path | None = None,
 ) -> Timed:
     """Time ``fn()``: ``warmup`` untimed calls, then ``repeat`` timed ones, each on its own clock.
 
-    On CUDA every repeat records wall, host-enqueue and CUDA-event times (the device is synchronised
-    before each call, so calls do not overlap), and with ``busy`` one extra call runs under
-    ``torch.profiler`` to measure the GPU-busy fraction, the GPU's summed kernel time and the number of
-    kernels, copies and memsets (the profiler slows the
-    host a little, so that fraction is a slight underestimate for host-bound calls). On a CPU only
-    wall time exists; ``host_s`` then equals ``wall_s``.
+    On CUDA every repeat records wall, host-enqueue and CUDA-event times; the device is synchronised
+    before each call, so calls do not overlap. Host enqueue runs until the call returns, so it includes
+    any time the CPU spends *blocked* inside it (a full launch queue, a synchronisation).
+
+    With ``busy`` (CUDA only), ``profile_steps`` more calls run under ``torch.profiler``: the GPU's busy
+    time per call (the union of its kernels and copies) is divided by the *unprofiled* median wall time,
+    because the profiler slows the host and would make a host-bound call look idler than it is. The
+    profile is kept in ``Timed.profile`` (its trace in ``trace_path``, default a temporary file).
+
+    With ``loop`` > 0, ``repeat`` more samples each time ``loop`` calls back to back with a single
+    synchronisation, as a training loop runs them: the CPU then issues call n+1 while the GPU finishes
+    call n, which a synchronised call cannot show. ``loop_s`` holds the time per call.
+
+    On a CPU only wall time exists; ``host_s`` then equals ``wall_s``.
 
     >>> t = time_it(lambda: x @ x, device="cuda")
     >>> t.median_s, t.wall.iqr, t.gpu_busy, t.verdict
 
     Introduced in chapter 8, section 8.1.
     """
-    if warmup < 0 or repeat < 1:
-        raise ValueError(f"need warmup >= 0 and repeat >= 1, got warmup={warmup}, repeat={repeat}")
+    if warmup < 0 or repeat < 1 or loop < 0 or profile_steps < 1:
+        raise ValueError(f"need warmup >= 0, repeat >= 1, loop >= 0 and profile_steps >= 1, got warmup={warmup}, "
+                         f"repeat={repeat}, loop={loop}, profile_steps={profile_steps}")
     dev = torch.device(device)
     cuda = dev.type == "cuda"
     if cuda and not torch.cuda.is_available():
         raise RuntimeError("time_it(device='cuda') needs a CUDA GPU; none is available")
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(dev)
+
     for _ in range(warmup):
         fn()
-    if cuda:
-        torch.cuda.synchronize(dev)
+    sync()
     wall, host, gpu = [], [], []
     for _ in range(repeat):
         if cuda:
@@ -230,20 +257,34 @@ def time_it(
             t_wall = t_host = time.perf_counter() - t0
         wall.append(t_wall)
         host.append(t_host)
-    gpu_busy, kernels, kernel_s = None, None, None
+    loop_s = None
+    if loop:
+        samples = []
+        for _ in range(repeat):
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(loop):
+                fn()
+            sync()
+            samples.append((time.perf_counter() - t0) / loop)
+        loop_s = tuple(samples)
+    gpu_busy, kernels, kernel_s, prof = None, None, None, None
     if cuda and busy:
         from helpers import profiler  # imported here: the profiler module is the heavier one
 
-        prof = profiler.profile(fn, device=dev, warmup=1, active=1)
-        gpu_busy, kernels, kernel_s = prof.gpu_busy, prof.kernels_per_step, prof.gpu_ms / 1e3
-    return Timed(tuple(wall), tuple(host), tuple(gpu) if cuda else None, gpu_busy, kernels, str(dev), kernel_s)
+        prof = profiler.profile(fn, device=dev, warmup=1, active=profile_steps, trace_path=trace_path)
+        busy_s = statistics.median(prof.busy_us_per_step()) / 1e6
+        gpu_busy = min(1.0, busy_s / statistics.median(wall))
+        kernels, kernel_s = prof.kernels_per_step, prof.gpu_ms / 1e3
+    return Timed(tuple(wall), tuple(host), tuple(gpu) if cuda else None, gpu_busy, kernels, str(dev), kernel_s,
+                 loop_s, prof)
 
 
 def compare(timings: dict[str, Timed], baseline: str) -> dict[str, dict[str, float | str]]:
     """Speed-up of each timing over ``baseline`` and whether it is larger than the noise.
 
-    A difference counts only when the two medians differ by more than the larger of the two IQRs
-    (the middle halves of the samples do not overlap); otherwise the row says "within the noise".
+    A difference counts only when the two medians differ by more than the larger of the two IQRs;
+    otherwise the row says "within the noise".
 
     Introduced in chapter 8, section 8.1.
     """

@@ -227,6 +227,7 @@ def test_tiny_kernel_loop_is_host_bound_and_big_matmul_gpu_bound():
     assert small.verdict == "host-bound", small.evidence
     assert small.gpu_busy < 0.5 and small.kernels_per_call == 200
     assert 0 < small.kernel_s < small.wall.median
+    assert small.profile is not None and small.profile.steps == 3
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     big = timing.time_it(lambda: a @ a, device="cuda")
     assert big.verdict == "GPU-bound", big.evidence
@@ -314,3 +315,27 @@ def test_memsnap_survivors_name_the_library_frame_and_the_callers_cell():
                                                   ([{"filename": "a.py", "name": "main", "line": 1}], "other")])
 def test_memsnap_origin(frames, expected):
     assert memsnap.origin(frames) == expected
+
+
+@pytest.mark.parametrize(("name", "gb_s"), [("NVIDIA H100 80GB HBM3", 3350.0), ("NVIDIA H200", 4800.0),
+                                            ("NVIDIA H100 NVL", 3900.0), ("Tesla T4", 320.0), ("NVIDIA L4", 300.0),
+                                            ("NVIDIA L40S", 864.0)])
+def test_datasheet_bandwidth_by_exact_name(name, gb_s):
+    from helpers import flops
+
+    assert flops.peak_bandwidth_gb_s(name) == gb_s
+
+
+def test_unknown_bandwidth_is_said_so():
+    from helpers import flops
+
+    with pytest.raises(ValueError, match="unknown GPU"):
+        flops.peak_bandwidth_gb_s("NVIDIA A100-SXM4-80GB")
+
+
+def test_time_it_back_to_back_loop_on_cpu():
+    calls = []
+    t = timing.time_it(lambda: calls.append(time.sleep(0.002)), device="cpu", warmup=1, repeat=10, loop=3)
+    assert len(calls) == 1 + 10 + 10 * 3
+    assert len(t.loop_s) == 10 and 0.002 <= t.loop.median < 0.05
+    assert "back to back, per call (ms)" in t.summary()
