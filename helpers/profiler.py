@@ -99,12 +99,14 @@ def kernel_category(name: str, *, cat: str = "kernel", phase: str | None = None)
         return "memcpy / memset"
     if re.search(r"nccl", name, re.I):
         return "communication"
+    return _by_rules(name, phase, _KERNEL_RULES)
+
+
+def _by_rules(name: str, phase: str | None, rules: tuple[tuple[str, re.Pattern], ...]) -> str:
+    """``optimizer`` inside the optimizer phase, else the first rule whose pattern matches, else ``other``."""
     if phase == "optimizer":
         return "optimizer"
-    for category, pattern in _KERNEL_RULES:
-        if pattern.search(name):
-            return category
-    return "other"
+    return next((category for category, pattern in rules if pattern.search(name)), "other")
 
 
 def cpu_op_category(name: str, *, phase: str | None = None) -> str:
@@ -112,12 +114,7 @@ def cpu_op_category(name: str, *, phase: str | None = None) -> str:
 
     Introduced in chapter 8, section 8.2.
     """
-    if phase == "optimizer":
-        return "optimizer"
-    for category, pattern in _CPU_OP_RULES:
-        if pattern.search(name):
-            return category
-    return "other"
+    return _by_rules(name, phase, _CPU_OP_RULES)
 
 
 def union_length(intervals: Sequence[tuple[float, float]]) -> float:
