@@ -11,7 +11,7 @@ VENV_ARGS ?=
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv book test unit notebooks hygiene site site-test chromium lint gpu-run clean
+.PHONY: venv book test unit notebooks hygiene twins site site-test chromium lint gpu-run clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV_ARGS) $(VENV)
@@ -25,7 +25,7 @@ venv: $(STAMP)
 book: $(STAMP) site
 	@echo "The book is built: open $(CURDIR)/_build/html/index.html"
 
-test: $(STAMP) lint unit notebooks hygiene site site-test
+test: $(STAMP) lint unit notebooks hygiene twins site site-test
 
 unit:
 	$(BIN)/python -m pytest tests -q -p no:cacheprovider
@@ -36,6 +36,11 @@ notebooks:
 
 hygiene:
 	$(BIN)/python scripts/check_notebooks.py notebooks
+
+# Each chapter's text twin (notebooks/NN_slug.py) is exactly what jupytext writes from the .ipynb.
+# Reads only; to fix a pair: $(BIN)/jupytext --sync notebooks/NN_slug.ipynb
+twins:
+	$(BIN)/python scripts/check_twins.py notebooks
 
 site:
 	$(BIN)/jupyter-book build . --warningiserror --nitpick --keep-going
