@@ -65,9 +65,11 @@ chromium:
 lint:
 	$(BIN)/ruff check helpers tests scripts notebooks book/_ext
 
-# Maintainers, on a GPU machine: execute the chapters in the full profile, in place, then check them.
+# Maintainers, on a GPU machine: execute the chapters in the full profile, in place, in the order of
+# notebooks/chapters.json (a chapter needing more GPUs than the machine has is skipped, saying so), stamp
+# them, record their wall times in notebooks/execution_times.json, then check them. Refuses without CUDA.
 gpu-run:
-	$(PYTHON) scripts/execute_notebooks.py notebooks/*.ipynb
+	$(PYTHON) scripts/execute_notebooks.py
 
 clean:
 	rm -rf _build
