@@ -68,8 +68,9 @@ lint:
 # Maintainers, on a GPU machine: execute the chapters in the full profile, in place, in the order of
 # notebooks/chapters.json (a chapter needing more GPUs than the machine has is skipped, saying so), stamp
 # them, record their wall times in notebooks/execution_times.json, then check them. Refuses without CUDA.
+# The status page (book/status.md) is rewritten from the result.
 gpu-run:
-	$(PYTHON) scripts/execute_notebooks.py
+	$(PYTHON) scripts/execute_notebooks.py; status=$$?; $(PYTHON) scripts/status_page.py; exit $$status
 
 clean:
 	rm -rf _build
