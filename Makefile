@@ -11,7 +11,7 @@ VENV_ARGS ?=
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv book test unit notebooks hygiene twins site site-test chromium lint workflows gpu-run gpu-test clean
+.PHONY: venv book test unit notebooks hygiene twins site site-test chromium lint workflows linkcheck colab-like gpu-run gpu-test clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV_ARGS) $(VENV)
@@ -25,7 +25,7 @@ venv: $(STAMP)
 book: $(STAMP) site
 	@echo "The book is built: open $(CURDIR)/_build/html/index.html"
 
-test: $(STAMP) lint unit notebooks hygiene twins site site-test
+test: $(STAMP) lint unit notebooks hygiene twins workflows site site-test
 
 unit:
 	$(BIN)/python -m pytest tests -q -p no:cacheprovider
@@ -64,6 +64,27 @@ chromium:
 
 lint:
 	$(BIN)/ruff check helpers tests scripts notebooks book/_ext
+
+# The GitHub Actions files parse, and every `make TARGET` they run exists here (scripts/check_workflows.py).
+workflows:
+	$(BIN)/python scripts/check_workflows.py .github/workflows
+
+# Weekly (.github/workflows/weekly.yml): every external link of the book, checked by Sphinx.
+linkcheck: $(STAMP)
+	$(BIN)/jupyter-book build . --builder linkcheck
+
+# Weekly: what a Colab reader gets. A clean venv with only torch (as Colab has), the chapters' own install
+# line (their setup cell's `%pip install`, which installs this repository from GitHub), then every chapter
+# in the tiny profile with that installation (the checkout's helpers are not on the path).
+COLAB := .colab-venv
+colab-like:
+	rm -rf $(COLAB)
+	$(PYTHON) -m venv $(COLAB)
+	$(COLAB)/bin/python -m pip install -q "$(TORCH)"
+	$(COLAB)/bin/python scripts/colab_install.py notebooks/01_memory_anatomy.ipynb
+	$(COLAB)/bin/python -m pip install -q pytest nbval ipykernel
+	cd notebooks && GPUBOOK_PROFILE=tiny MPLBACKEND=Agg ../$(COLAB)/bin/python -m pytest --nbval-lax \
+	  --nbval-current-env -q -p no:cacheprovider --rootdir=. .
 
 # Maintainers, on a GPU machine: execute the chapters in the full profile, in place, in the order of
 # notebooks/chapters.json (a chapter needing more GPUs than the machine has is skipped, saying so), stamp
