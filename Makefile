@@ -11,7 +11,7 @@ VENV_ARGS ?=
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv book test unit notebooks hygiene site site-test chromium lint gpu-run clean
+.PHONY: venv book test unit notebooks hygiene twins site site-test chromium lint workflows linkcheck colab-like gpu-run gpu-test clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV_ARGS) $(VENV)
@@ -25,7 +25,7 @@ venv: $(STAMP)
 book: $(STAMP) site
 	@echo "The book is built: open $(CURDIR)/_build/html/index.html"
 
-test: $(STAMP) lint unit notebooks hygiene site site-test
+test: $(STAMP) lint unit notebooks hygiene twins workflows site site-test
 
 unit:
 	$(BIN)/python -m pytest tests -q -p no:cacheprovider
@@ -36,6 +36,11 @@ notebooks:
 
 hygiene:
 	$(BIN)/python scripts/check_notebooks.py notebooks
+
+# Each chapter's text twin (notebooks/NN_slug.py) is exactly what jupytext writes from the .ipynb.
+# Reads only; to fix a pair: $(BIN)/jupytext --sync notebooks/NN_slug.ipynb
+twins:
+	$(BIN)/python scripts/check_twins.py notebooks
 
 site:
 	$(BIN)/jupyter-book build . --warningiserror --nitpick --keep-going
@@ -60,9 +65,43 @@ chromium:
 lint:
 	$(BIN)/ruff check helpers tests scripts notebooks book/_ext
 
-# Maintainers, on a GPU machine: execute the chapters in the full profile, in place, then check them.
+# The GitHub Actions files parse, and every `make TARGET` they run exists here (scripts/check_workflows.py).
+workflows:
+	$(BIN)/python scripts/check_workflows.py .github/workflows
+
+# Weekly (.github/workflows/weekly.yml): every external link of the book, checked by Sphinx.
+linkcheck: $(STAMP)
+	$(BIN)/jupyter-book build . --builder linkcheck
+
+# Weekly: what a Colab reader gets. A clean venv with only torch (as Colab has), the chapters' own install
+# line (their setup cell's `%pip install`, which installs this repository from GitHub), then every chapter
+# in the tiny profile with that installation (the checkout's helpers are not on the path).
+COLAB := .colab-venv
+colab-like:
+	rm -rf $(COLAB)
+	$(PYTHON) -m venv $(COLAB)
+	$(COLAB)/bin/python -m pip install -q "$(TORCH)"
+	$(COLAB)/bin/python scripts/colab_install.py notebooks/01_memory_anatomy.ipynb
+	$(COLAB)/bin/python -m pip install -q pytest nbval ipykernel
+	cd notebooks && GPUBOOK_PROFILE=tiny MPLBACKEND=Agg ../$(COLAB)/bin/python -m pytest --nbval-lax \
+	  --nbval-current-env -q -p no:cacheprovider --rootdir=. .
+
+# Maintainers, on a GPU machine: execute the chapters in the full profile, in place, in the order of
+# notebooks/chapters.json (a chapter needing more GPUs than the machine has is skipped, saying so), stamp
+# them, record their wall times in notebooks/execution_times.json, then check them. Refuses without CUDA.
+# The status page (book/status.md) is rewritten from the result.
 gpu-run:
-	$(PYTHON) scripts/execute_notebooks.py notebooks/*.ipynb
+	$(PYTHON) scripts/execute_notebooks.py; status=$$?; $(PYTHON) scripts/status_page.py; exit $$status
+
+# Maintainers, on a GPU machine (H100 or H200; chapter 7 needs 2 GPUs, else it is skipped, saying so):
+# re-execute every chapter in the full profile into a temporary folder (the committed notebooks are not
+# touched) and compare, cell by cell, every output that holds a memory number with the committed one after
+# the regexes of notebooks/sanitize.cfg; cells listed in notebooks/gpu_check.json (timings, losses, NVML)
+# are ignored with their reason. Prints cells checked/ignored per chapter and the run time. Then the GPU
+# unit tests.
+gpu-test:
+	$(PYTHON) scripts/gpu_check.py
+	$(PYTHON) -m pytest -m gpu tests -q -p no:cacheprovider
 
 clean:
 	rm -rf _build

@@ -7,6 +7,21 @@ output (each image under 300 KB, the notebook under 2 MB); and its first code ce
 environment report) names an NVIDIA GPU and the full profile. nbval markers must be written exactly
 (``# NBVAL_CHECK_OUTPUT`` alone on its line), or nbval silently ignores them.
 
+Stale outputs. scripts/execute_notebooks.py stamps each notebook it executes (metadata
+``gpubook.execution``: git commit, sha256 of each ``helpers/*.py`` and of each code cell, GPU, torch,
+date, wall time). A stamped notebook fails this check when a code cell or a helpers file changed since
+that run, unless ``notebooks/stale_ok.json`` vouches for exactly that change (a docstring, a comment:
+something that cannot change an output), with a reason::
+
+    {"require_stamp": ["09_fast_path.ipynb"],
+     "allow": {"01_memory_anatomy.ipynb": [
+                 {"cell": 4, "sha256": "<the cell's new sha256>", "reason": "comment reworded"}],
+               "*": [{"helpers": "measure.py", "sha256": "<the file's new sha256>", "reason": "docstring"}]}}
+
+An allowance names the new content's sha256 (the check prints it), so a later edit is not covered by
+it; ``"*"`` applies to every notebook. A notebook without a stamp (executed before stamping existed)
+is reported as such and passes, unless it is listed in ``require_stamp``.
+
 Usage: python scripts/check_notebooks.py notebooks [more paths]   (exit 1 on any problem)
 Only the standard library is used, so this runs on any Python.
 """
@@ -14,6 +29,7 @@ Only the standard library is used, so this runs on any Python.
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import re
 import sys
@@ -26,6 +42,79 @@ TRACEBACK = "Traceback (most recent call last)"
 # nbval recognises a marker only when the comment line is exactly "# NBVAL_..."; anything else is silently
 # ignored, so a decorated marker would disable the check it was meant to enable.
 NBVAL_MARKERS = {"NBVAL_CHECK_OUTPUT", "NBVAL_IGNORE_OUTPUT", "NBVAL_SKIP", "NBVAL_RAISES_EXCEPTION"}
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"
+ALLOWANCES = "stale_ok.json"  # beside the notebooks
+
+
+def sha256(text: str | bytes) -> str:
+    return hashlib.sha256(text.encode("utf-8") if isinstance(text, str) else text).hexdigest()
+
+
+def code_sources(nb: dict) -> list[str]:
+    return ["".join(c.get("source", "")) for c in nb.get("cells", []) if c.get("cell_type") == "code"]
+
+
+def code_fingerprint(nb: dict) -> dict:
+    """sha256 of the notebook's code-cell sources: one per cell and one for all of them."""
+    cells = [sha256(source) for source in code_sources(nb)]
+    return {"code_sha256": sha256("\n".join(cells)), "code_cells_sha256": cells}
+
+
+def helpers_fingerprint(helpers: Path = HELPERS) -> dict:
+    """sha256 of each helpers/*.py (by name) and of all of them together."""
+    files = {p.name: sha256(p.read_bytes()) for p in sorted(helpers.glob("*.py"))}
+    return {"helpers_sha256": sha256("\n".join(f"{k} {v}" for k, v in files.items())), "helpers_files_sha256": files}
+
+
+def load_allowances(folder: Path) -> dict:
+    path = folder / ALLOWANCES
+    data = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    return {"require_stamp": data.get("require_stamp", []), "allow": data.get("allow", {})}
+
+
+def stamp_status(path: Path, nb: dict, helpers: Path = HELPERS, allowances: dict | None = None) -> tuple[list[str], str]:
+    """(problems, one-line note) for the notebook's execution stamp against today's code and helpers."""
+    allowances = load_allowances(path.parent) if allowances is None else allowances
+    stamp = nb.get("metadata", {}).get("gpubook", {}).get("execution")
+    if not stamp:
+        if path.name in allowances["require_stamp"]:
+            return [f"no execution stamp, but {ALLOWANCES} requires one (execute it with "
+                    "scripts/execute_notebooks.py)"], "not stamped"
+        return [], "not stamped (executed before stamping)"
+    allowed = [a for a in allowances["allow"].get("*", []) + allowances["allow"].get(path.name, [])
+               if a.get("reason")]
+    ok_cells = {(a.get("cell"), a.get("sha256")) for a in allowed if "cell" in a}
+    ok_files = {(a.get("helpers"), a.get("sha256")) for a in allowed if "helpers" in a}
+    problems, covered = [], 0
+    now_cells = code_fingerprint(nb)["code_cells_sha256"]
+    then_cells = stamp.get("code_cells_sha256", [])
+    if len(now_cells) != len(then_cells):
+        problems.append(f"stale outputs: {len(now_cells)} code cells now, {len(then_cells)} when executed "
+                        f"({stamp.get('date', '?')}); re-execute it")
+    else:
+        for i, (now, then) in enumerate(zip(now_cells, then_cells, strict=True), start=1):
+            if now != then:
+                if (i, now) in ok_cells:
+                    covered += 1
+                else:
+                    problems.append(f"stale outputs: code cell {i} changed since it was executed; re-execute, or "
+                                    f"if no output can change, allow it in {ALLOWANCES}: "
+                                    f'{{"cell": {i}, "sha256": "{now}", "reason": "..."}}')
+    now_files = helpers_fingerprint(helpers)["helpers_files_sha256"]
+    then_files = stamp.get("helpers_files_sha256", {})
+    for name in sorted(set(now_files) | set(then_files)):
+        now = now_files.get(name)
+        if now != then_files.get(name):
+            if (name, now) in ok_files:
+                covered += 1
+            else:
+                what = "added" if name not in then_files else "removed" if now is None else "changed"
+                problems.append(f"stale outputs: helpers/{name} {what} since the notebook was executed; "
+                                f"re-execute, or if no output can change, allow it in {ALLOWANCES}: "
+                                f'{{"helpers": "{name}", "sha256": "{now}", "reason": "..."}}')
+    note = (f"stamped: {stamp.get('gpu', '?')}, {stamp.get('date', '?')}, commit {str(stamp.get('commit', '?'))[:10]}"
+            + (f", {covered} change(s) allowed by {ALLOWANCES}" if covered else ""))
+    return problems, note
 
 
 def _text_of(output: dict) -> str:
@@ -39,8 +128,13 @@ def _text_of(output: dict) -> str:
     return "\n".join(parts)
 
 
-def check(path: Path) -> list[str]:
+def check(path: Path, helpers: Path = HELPERS, allowances: dict | None = None) -> list[str]:
     """Return the hygiene problems of one notebook (empty when it is clean)."""
+    return check_with_note(path, helpers, allowances)[0]
+
+
+def check_with_note(path: Path, helpers: Path = HELPERS, allowances: dict | None = None) -> tuple[list[str], str]:
+    """The hygiene problems of one notebook and a note on its execution stamp."""
     problems: list[str] = []
     size = path.stat().st_size
     if size > MAX_NOTEBOOK_BYTES:
@@ -48,7 +142,7 @@ def check(path: Path) -> list[str]:
     nb = json.loads(path.read_text(encoding="utf-8"))
     code = [c for c in nb.get("cells", []) if c.get("cell_type") == "code"]
     if not code:
-        return problems + ["no code cells"]
+        return problems + ["no code cells"], ""
     counts = [c.get("execution_count") for c in code]
     if counts != list(range(1, len(code) + 1)):
         problems.append(f"execution counts are not 1..{len(code)} in order (not one fresh run): {counts}")
@@ -79,7 +173,8 @@ def check(path: Path) -> list[str]:
         problems.append("the first code cell's output (environment report) names no NVIDIA GPU")
     if not re.search(r"profile\s+full\b", first):
         problems.append("the first code cell's output does not show the full profile")
-    return problems
+    stale, note = stamp_status(path, nb, helpers, allowances)
+    return problems + stale, note
 
 
 def main(argv: list[str]) -> int:
@@ -92,9 +187,9 @@ def main(argv: list[str]) -> int:
         return 1
     failed = 0
     for path in paths:
-        problems = check(path)
+        problems, note = check_with_note(path)
         status = "ok" if not problems else f"{len(problems)} problem(s)"
-        print(f"{path}: {status}")
+        print(f"{path}: {status}; {note}")
         for problem in problems:
             print(f"  - {problem}")
         failed += bool(problems)

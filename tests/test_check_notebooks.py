@@ -1,6 +1,7 @@
 """The notebook hygiene check (scripts/check_notebooks.py) catches what it promises to catch."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import nbformat
@@ -61,3 +62,100 @@ def test_out_of_order_execution_and_cpu_environment_are_reported(tmp_path):
     assert any("execution counts" in p for p in problems)
     assert any("names no NVIDIA GPU" in p for p in problems)
     assert any("full profile" in p for p in problems)
+
+
+# Stale outputs: the execution stamp against today's code cells and helpers.
+
+def stamped(tmp_path, helpers):
+    """A clean notebook stamped the way scripts/execute_notebooks.py stamps it, and its helpers folder."""
+    path = notebook(tmp_path, [env_cell(), ("x = 1  # a comment", [])])
+    nb = nbformat.read(path, as_version=4)
+    nb.metadata["gpubook"] = {"execution": {
+        "commit": "0123456789abcdef", "gpu": "NVIDIA H100 80GB HBM3", "date": "2026-11-23T15:00:00Z",
+        **check_notebooks.code_fingerprint(nb), **check_notebooks.helpers_fingerprint(helpers)}}
+    nbformat.write(nb, path)
+    return path
+
+
+@pytest.fixture
+def helpers(tmp_path):
+    folder = tmp_path / "helpers"
+    folder.mkdir()
+    (folder / "measure.py").write_text('def peak():\n    """Peak memory."""\n    return 1\n')
+    return folder
+
+
+NO_ALLOWANCES = {"require_stamp": [], "allow": {}}
+
+
+def edit_cell(path, source):
+    nb = nbformat.read(path, as_version=4)
+    nb.cells[1].source = source
+    nbformat.write(nb, path)
+
+
+def test_an_unchanged_stamped_notebook_passes(tmp_path, helpers):
+    problems, note = check_notebooks.check_with_note(stamped(tmp_path, helpers), helpers, NO_ALLOWANCES)
+    assert problems == [] and note.startswith("stamped: NVIDIA H100")
+
+
+def test_an_unstamped_notebook_passes_unless_a_stamp_is_required(tmp_path, helpers):
+    path = notebook(tmp_path, [env_cell()])
+    problems, note = check_notebooks.check_with_note(path, helpers, NO_ALLOWANCES)
+    assert problems == [] and note == "not stamped (executed before stamping)"
+    required = {"require_stamp": [path.name], "allow": {}}
+    assert any("requires one" in p for p in check_notebooks.check(path, helpers, required))
+
+
+def test_a_changed_code_cell_makes_the_outputs_stale(tmp_path, helpers):
+    path = stamped(tmp_path, helpers)
+    edit_cell(path, "x = 2  # a comment")
+    (problem,) = check_notebooks.check(path, helpers, NO_ALLOWANCES)
+    assert "code cell 2 changed" in problem
+
+
+def test_an_added_cell_makes_the_outputs_stale(tmp_path, helpers):
+    path = stamped(tmp_path, helpers)
+    nb = nbformat.read(path, as_version=4)
+    nb.cells.append(nbformat.v4.new_code_cell("y = 3"))
+    nb.cells[-1].execution_count = 3
+    nbformat.write(nb, path)
+    assert any("3 code cells now, 2 when executed" in p for p in check_notebooks.check(path, helpers, NO_ALLOWANCES))
+
+
+def test_a_changed_or_added_helpers_file_makes_the_outputs_stale(tmp_path, helpers):
+    path = stamped(tmp_path, helpers)
+    (helpers / "measure.py").write_text('def peak():\n    """Peak memory."""\n    return 2\n')
+    (helpers / "new.py").write_text("")
+    problems = check_notebooks.check(path, helpers, NO_ALLOWANCES)
+    assert any("helpers/measure.py changed" in p for p in problems)
+    assert any("helpers/new.py added" in p for p in problems)
+
+
+def test_an_allowance_covers_exactly_the_change_it_names(tmp_path, helpers):
+    path = stamped(tmp_path, helpers)
+    edit_cell(path, "x = 1  # a better comment")
+    (helpers / "measure.py").write_text('def peak():\n    """Peak allocated memory, in bytes."""\n    return 1\n')
+    cell_sha = check_notebooks.sha256("x = 1  # a better comment")
+    file_sha = check_notebooks.sha256((helpers / "measure.py").read_bytes())
+    allow = {"require_stamp": [], "allow": {
+        path.name: [{"cell": 2, "sha256": cell_sha, "reason": "comment reworded"}],
+        "*": [{"helpers": "measure.py", "sha256": file_sha, "reason": "docstring"}]}}
+    problems, note = check_notebooks.check_with_note(path, helpers, allow)
+    assert problems == [] and "2 change(s) allowed" in note
+    # A later edit is not covered by the allowance written for the earlier one ...
+    edit_cell(path, "x = 5  # a better comment")
+    assert any("code cell 2 changed" in p for p in check_notebooks.check(path, helpers, allow))
+    # ... and an allowance without a reason covers nothing.
+    edit_cell(path, "x = 1  # a better comment")
+    allow["allow"][path.name][0]["reason"] = ""
+    assert any("code cell 2 changed" in p for p in check_notebooks.check(path, helpers, allow))
+
+
+def test_the_allowances_file_is_read_beside_the_notebooks(tmp_path, helpers):
+    path = stamped(tmp_path, helpers)
+    edit_cell(path, "x = 1  # reworded")
+    assert check_notebooks.check(path, helpers)  # no stale_ok.json: stale
+    (tmp_path / "stale_ok.json").write_text(json.dumps({"allow": {path.name: [
+        {"cell": 2, "sha256": check_notebooks.sha256("x = 1  # reworded"), "reason": "comment"}]}}))
+    assert check_notebooks.check(path, helpers) == []

@@ -1,6 +1,7 @@
 """scripts/execute_notebooks.py: runs chapters in a fresh kernel with the chosen profile, installs only what is missing."""
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -52,3 +53,69 @@ def test_a_notebook_runs_in_a_fresh_kernel_with_the_profile_and_this_checkout(tm
     assert profile == "tiny" and Path(package_root) == ROOT
     assert executed.cells[0].execution_count == 1
     assert not source.with_name("01_probe.ipynb").read_text().count('"outputs": [\n     {')  # source untouched
+
+
+def tiny_notebook(path, *sources):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in sources]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, path)
+    return path
+
+
+def test_the_full_profile_is_refused_without_a_gpu(tmp_path, monkeypatch, capsys):
+    path = tiny_notebook(tmp_path / "01_probe.ipynb", "print(1)")
+    before = path.read_bytes()
+    monkeypatch.setattr(execute_notebooks, "gpus", lambda: (0, None))
+    monkeypatch.setattr(execute_notebooks, "execute", lambda *a, **k: pytest.fail("must not execute"))
+    assert execute_notebooks.main([str(path), "--profile", "full"]) == 2
+    assert "refusing to run the full profile without a CUDA GPU" in capsys.readouterr().err
+    assert path.read_bytes() == before
+
+
+def test_a_chapter_needing_more_gpus_than_the_machine_has_is_skipped(tmp_path, monkeypatch, capsys):
+    chapters = tmp_path / "chapters.json"
+    chapters.write_text(json.dumps({"chapters": [{"file": "01_a.ipynb", "gpus": 1}, {"file": "07_b.ipynb", "gpus": 2}]}))
+    ran = []
+    monkeypatch.setattr(execute_notebooks, "gpus", lambda: (1, "NVIDIA H100 80GB HBM3"))
+    monkeypatch.setattr(execute_notebooks, "chapter_order", lambda: execute_notebooks.json.loads(chapters.read_text())["chapters"])
+
+    def execute(path, *args, **kwargs):
+        ran.append(path.name)
+        raise RuntimeError("not executed in this test")
+
+    monkeypatch.setattr(execute_notebooks, "execute", execute)
+    assert execute_notebooks.main([]) == 1
+    assert ran == ["01_a.ipynb"]
+    assert "07_b.ipynb: SKIPPED: needs 2 GPUs, this machine has 1" in capsys.readouterr().out
+
+
+def test_the_committed_chapter_order_lists_every_chapter_once():
+    files = [c["file"] for c in execute_notebooks.chapter_order()]
+    assert files == sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    assert all(c["gpus"] in (1, 2) for c in execute_notebooks.chapter_order())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nbclient") is None, reason="needs nbclient")
+def test_a_failed_run_leaves_the_notebook_untouched_and_a_good_one_is_stamped_and_timed(tmp_path):
+    bad = tiny_notebook(tmp_path / "01_bad.ipynb", "x = 1", "1 / 0")
+    before = bad.read_bytes()
+    with pytest.raises(Exception, match="ZeroDivisionError"):
+        execute_notebooks.execute(bad, bad, timeout_s=120, gpu=None, profile="tiny")
+    assert bad.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["01_bad.ipynb"]  # no temporary file left behind
+
+    good = tiny_notebook(tmp_path / "02_good.ipynb", "print(6 * 7)")
+    record = execute_notebooks.execute(good, good, timeout_s=120, gpu="NVIDIA H100 80GB HBM3", profile="tiny")
+    execute_notebooks.record_time(tmp_path / "execution_times.json", good.stem, record)
+    executed = nbformat.read(good, as_version=4)
+    assert executed.cells[0].outputs[0]["text"] == "42\n"
+    stamp = executed.metadata["gpubook"]["execution"]
+    assert stamp == record and stamp["gpu"] == "NVIDIA H100 80GB HBM3" and stamp["wall_s"] >= 0
+    assert stamp["helpers_files_sha256"]["measure.py"] == execute_notebooks.check_notebooks.sha256(
+        (ROOT / "helpers" / "measure.py").read_bytes())
+    # The stamp is what the hygiene check compares against: an unchanged notebook is not stale.
+    assert execute_notebooks.check_notebooks.stamp_status(good, json.loads(good.read_text()))[0] == []
+    times = json.loads((tmp_path / "execution_times.json").read_text())
+    assert times["chapters"]["02_good"]["wall_s"] == record["wall_s"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["01_bad.ipynb", "02_good.ipynb", "execution_times.json"]

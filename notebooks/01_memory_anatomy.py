@@ -1,0 +1,767 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 1. Memory anatomy: where a GPU's memory goes in training
+#
+# A 335-million-parameter BERT is 1.25 GiB of weights, yet training it with a batch of four fills most of
+# a 16 GB card. Before any technique in this book can win memory back, we need to know where it went.
+# This chapter measures it, piece by piece, on one model and one GPU, and holds each piece against the
+# rule of thumb that is supposed to predict it.
+#
+# **What you will learn**
+#
+# - the four memory numbers a GPU gives you (NVML *used*, torch *reserved*, *allocated* and *peak
+#   allocated*) and why they differ;
+# - what the CUDA context costs before your first tensor;
+# - the six components of training memory (weights, gradients, optimizer states, activations, temporary
+#   buffers, and the memory that belongs to the runtime) measured phase by phase;
+# - how far the popular rules (16 or 18 bytes per parameter, "training takes 4x the model") are from
+#   measured memory, and why;
+# - how activation memory grows with batch size and sequence length, against the formula of
+#   {cite:t}`korthikanti2022reducing`;
+# - where the peak of a training step really is, and what an out-of-memory error on a 15 GB card looks
+#   like and how to recover from it.
+#
+# **Prerequisites:** PyTorch basics (a model, a loss, `backward()`, an optimizer). The [setup page](../book/setup.md)
+# explains the run profiles: on a CPU this notebook runs tiny versions of the same models in seconds; the
+# numbers quoted in the text come from the full-size run on the GPU named in the first output below.
+
+# %%
+import sys
+
+if "google.colab" in sys.modules:  # Colab: install the book's helpers; torch is already there
+    # %pip install -q "gpu-efficient-training @ git+https://github.com/gpu-efficient-training/book"
+
+from helpers import env
+
+env.quiet()  # warnings without file paths, no progress bars: outputs that read the same everywhere
+
+import pandas as pd
+import torch
+from transformers import Trainer, TrainingArguments
+
+from helpers import accounting, cleanup, data, estimates, measure, models, plots, profiles
+from helpers.glue import glue
+from helpers.measure import GIB, MIB
+
+plots.use_style()
+pd.options.display.float_format = "{:,.2f}".format
+prof = profiles.get()
+env.report(prof)
+
+# %% [markdown]
+# ## 1.1 An empty GPU, the CUDA context, and the weights
+#
+# `nvidia-smi` and NVML (the library behind it, `import pynvml`) report the memory *used* on the whole
+# card. Before this process has touched CUDA, that is what the driver and any other process hold. The
+# first CUDA call creates a *CUDA context*: the driver's state for this process, with the GPU code
+# (kernels) of PyTorch and its libraries. It costs memory that PyTorch's allocator never sees.
+
+# %%
+nvml_used = {}  # NVML "used" at each moment, MiB
+if profiles.cuda_or_skip("NVML reads an NVIDIA GPU's memory"):
+    nvml_used["before any CUDA call"] = measure.nvml_used_mib()
+    torch.ones(1, device="cuda")  # the first CUDA call creates this process's CUDA context
+    nvml_used["after the first CUDA call"] = measure.nvml_used_mib()
+    torch.ones(64, 64, device="cuda") @ torch.ones(64, 64, device="cuda")  # loads cuBLAS
+    nvml_used["after the first matmul"] = measure.nvml_used_mib()
+
+# %% [markdown]
+# Now the seeds' model, `bert-large-uncased` with a two-class head, built from its configuration with
+# random weights (memory does not depend on the values). Its weights in fp32 take 4 bytes per parameter.
+
+# %%
+model = models.build("bert-large-uncased", head="sequence-classification")
+n_bert = models.n_params(model)
+bert_weights_mib = accounting.param_bytes(model) / MIB
+print(f"{n_bert:,} parameters -> {bert_weights_mib:,.0f} MiB of fp32 weights on {prof.device}")
+glue("bert_params_m", n_bert / 1e6)
+glue("bert_weights_mib", bert_weights_mib)
+
+# %%
+if profiles.cuda_or_skip("NVML reads an NVIDIA GPU's memory"):
+    nvml_used["after loading bert-large"] = measure.nvml_used_mib()
+    steps = pd.DataFrame({"NVML used (MiB)": nvml_used})
+    steps["increase (MiB)"] = steps["NVML used (MiB)"].diff()
+    alloc = measure.allocator_mib()
+    glue("empty_mib", steps.iloc[0, 0])
+    glue("context_mib", steps.iloc[1, 1])
+    glue("cublas_mib", steps.iloc[2, 1])
+    glue("weights_nvml_mib", steps.iloc[3, 1])
+    glue("weights_alloc_mib", alloc["allocated_mib"])
+    glue("workspace_mib", alloc["allocated_mib"] - bert_weights_mib)
+    display(steps)
+    print(f"torch allocated {alloc['allocated_mib']:,.0f} MiB, reserved {alloc['reserved_mib']:,.0f} MiB")
+
+# %% [markdown]
+# On the GPU of this run the card showed {glue:text}`empty_mib:,.0f` MiB used before this process did
+# anything: memory the driver keeps. The first CUDA call added {glue:text}`context_mib:,.0f` MiB, and the
+# first matrix product {glue:text}`cublas_mib:,.0f` MiB more as cuBLAS loaded its kernels and workspace. The
+# seed notes put this start-up cost at 1-2 GB; it is smaller here because PyTorch turns on CUDA's lazy
+# module loading (kernels are loaded when first used), and it differs from card to card and driver to
+# driver, so measure it on yours. The weights then
+# added {glue:text}`weights_nvml_mib:,.0f` MiB by NVML, the {glue:text}`bert_weights_mib:,.0f` MiB that
+# 4 bytes x {glue:text}`bert_params_m:,.0f` M parameters predict plus allocator rounding. Torch counts
+# {glue:text}`weights_alloc_mib:,.0f` MiB allocated: the weights and {glue:text}`workspace_mib:.0f` MiB that
+# cuBLAS took, through PyTorch's allocator, as workspace at the first matrix product. NVML is the number that decides whether you run
+# out of memory; the allocator's numbers say which tensors own it.
+
+# %% [markdown]
+# ## 1.2 The seeds' baseline: one epoch with the Trainer
+#
+# The Hugging Face guide that the seed notes follow trains this model on 512 random sequences of 512
+# tokens, batch size 4, one epoch, no optimisation at all, and reports time, samples per second and
+# NVML memory. We do the same (the tiny profile shrinks the data).
+
+# %%
+seq_len, n_samples = prof.pick(tiny=64, full=512), prof.pick(tiny=64, full=512)
+ds = data.dummy_dataset(n_samples, seq_len, seed=0)
+args = TrainingArguments(
+    output_dir="trainer_tmp", per_device_train_batch_size=4, num_train_epochs=1, seed=0,
+    logging_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True,
+)
+trainer = Trainer(model=model, args=args, train_dataset=ds)
+result = trainer.train()
+baseline = {
+    "time (s)": result.metrics["train_runtime"],
+    "samples/s": result.metrics["train_samples_per_second"],
+}
+if profiles.cuda_or_skip("NVML reads an NVIDIA GPU's memory"):
+    baseline["NVML used (MiB)"] = measure.nvml_used_mib()
+    baseline["peak allocated (MiB)"] = measure.allocator_mib()["peak_allocated_mib"]
+baseline
+
+# %% [markdown]
+# The guide ran this on a 16 GB V100 and printed `Time: 57.82`, `Samples/second: 8.86` and `GPU memory
+# occupied: 14949 MB`. Its "MB" is `used // 1024**2`, so it is MiB, the unit of this book.
+
+# %%
+hf_docs_v100 = {"time (s)": 57.82, "samples/s": 8.86, "NVML used (MiB)": 14949}
+comparison = pd.DataFrame({"HF docs, V100 16 GB": hf_docs_v100, f"this run ({prof.name} profile)": baseline})
+if prof.is_full and prof.on_gpu:
+    glue("trainer_time_s", baseline["time (s)"])
+    glue("trainer_samples_s", baseline["samples/s"])
+    glue("trainer_nvml_mib", baseline["NVML used (MiB)"])
+    glue("trainer_peak_mib", baseline["peak allocated (MiB)"])
+    glue("trainer_speedup", baseline["samples/s"] / hf_docs_v100["samples/s"])
+    glue("trainer_peak_ratio", baseline["peak allocated (MiB)"] / bert_weights_mib)
+comparison
+
+# %% [markdown]
+# Here the epoch took {glue:text}`trainer_time_s:.1f` s at {glue:text}`trainer_samples_s:.1f` samples/s,
+# {glue:text}`trainer_speedup:.1f` times the V100's throughput, and the process held
+# {glue:text}`trainer_nvml_mib:,.0f` MiB by NVML, of which at most {glue:text}`trainer_peak_mib:,.0f` MiB
+# were ever in live tensors. The rest is the CUDA context and the allocator's cache: freed blocks that
+# PyTorch keeps for reuse instead of returning them to the driver. Either way, the live tensors alone peaked
+# at {glue:text}`trainer_peak_ratio:.1f` times the model's {glue:text}`bert_weights_mib:,.0f` MiB of weights,
+# at a batch of four. The rest of the chapter finds out why.
+#
+# First we give the memory back. `cleanup.free` deletes the names, runs the garbage collector and empties
+# the allocator's cache; what it reports is what came back.
+
+# %%
+freed = cleanup.free(globals(), "trainer", "model", "result")
+if profiles.cuda_or_skip("the allocator's numbers exist only on a GPU"):
+    print(f"freed {freed.allocated_freed_mib:,.0f} MiB allocated, {freed.reserved_freed_mib:,.0f} MiB reserved; "
+          f"now allocated: {freed.allocated_after_mib:,.0f} MiB, NVML used: {measure.nvml_used_mib():,.0f} MiB")
+
+# %% [markdown]
+# ## 1.3 The six components, phase by phase
+#
+# The guide lists six things that share the memory during training:
+#
+# 1. **weights**, the parameters;
+# 2. **gradients**, one per parameter, written by `backward()`;
+# 3. **optimizer states**: AdamW keeps two per parameter (the running mean and the running squared mean
+#    of the gradients);
+# 4. **activations**: tensors the forward pass saves because the backward pass needs them;
+# 5. **temporary buffers**: intermediate results that live for one operation and go;
+# 6. **functionality-specific memory**: the CUDA context, library workspaces, the allocator's cache.
+#
+# A plain PyTorch loop shows them appear. We run two training iterations of the same model and batch as
+# above, split into phases: load, forward, backward, optimizer step, `zero_grad`. Around each phase
+# `measure.PhaseRecorder` resets the allocator's peak counter and, after it, records what is allocated and
+# what the peak was. Independently of the device, `accounting` counts the bytes of parameters, gradients
+# and optimizer states, and a `SavedTensorMeter` counts the tensors saved for backward, through
+# `torch.autograd.graph.saved_tensors_hooks`: each stored tensor passes through a hook that notes its
+# storage once, skipping the model's own parameters.
+
+# %%
+batch = {k: v.to(prof.device) for k, v in ds[:4].items()}
+rec = measure.PhaseRecorder(prof.device)
+accounted = {}  # bytes we can name, at the end of each phase
+
+
+def account(phase, activations=0):
+    accounted[phase] = {**accounting.model_state_bytes(model, optimizer), "activations": activations}
+
+
+with rec.phase("load"):
+    model = models.build("bert-large-uncased", head="sequence-classification")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+account("load")
+
+for it in (1, 2):
+    with rec.phase(f"{it}: forward"), accounting.SavedTensorMeter(model) as saved:
+        loss = model(**batch).loss
+    account(f"{it}: forward", saved.total_bytes)
+    with rec.phase(f"{it}: backward"):
+        loss.backward()
+    account(f"{it}: backward")
+    with rec.phase(f"{it}: step"):
+        optimizer.step()
+    account(f"{it}: step")
+    with rec.phase(f"{it}: zero_grad"):
+        optimizer.zero_grad(set_to_none=True)  # frees the gradients
+    account(f"{it}: zero_grad")
+
+# %% [markdown]
+# The accounting gives the named components at the end of each phase. On a GPU the allocator adds two
+# more: *transient*, how far the phase's peak rose above what stayed allocated after it (memory that lived
+# and died inside the phase), and *other*, live memory the accounting cannot name (the batch, the logits,
+# library workspaces). A bar's height is the phase's peak allocated memory; the `zero_grad` phases, which only
+# free, are in the table and not in the figure.
+
+# %%
+breakdown = pd.DataFrame(accounted).T.rename(
+    columns={"optimizer_states": "optimizer states"}
+)[["weights", "gradients", "optimizer states", "activations"]] / GIB
+phases = rec.to_frame()
+if prof.on_gpu:
+    breakdown["other"] = phases["allocated_mib"] * MIB / GIB - breakdown.sum(axis=1)
+    breakdown["transient"] = (phases["peak_allocated_mib"] - phases["allocated_mib"]) * MIB / GIB
+    check = pd.DataFrame({
+        "accounted (GiB)": breakdown[["weights", "gradients", "optimizer states", "activations"]].sum(axis=1),
+        "allocated (GiB)": phases["allocated_mib"] * MIB / GIB,
+        "peak allocated (GiB)": phases["peak_allocated_mib"] * MIB / GIB,
+        "time (s)": phases["time_s"],
+    })
+    peak_phase = check["peak allocated (GiB)"].idxmax()
+    glue("anat_peak_gib", check["peak allocated (GiB)"].max())
+    glue("anat_peak_phase", peak_phase, display_value=False)
+    glue("anat_act_gib", breakdown.loc["2: forward", "activations"])
+    glue("anat_temp_step_gib", breakdown.loc["1: step", "transient"])
+    glue("anat_transient_bwd_gib", breakdown.loc["1: backward", "transient"])
+    glue("anat_other_fwd_gib", breakdown.loc["2: forward", "other"])
+    display(check)
+fig = plots.stacked_bar(breakdown[~breakdown.index.str.endswith("zero_grad")],
+                        title="bert-large, AdamW, fp32, batch 4: memory at each phase's peak", ylabel="memory (GiB)")
+
+# %% [markdown]
+# Read the bars left to right. Loading puts the weights on the card. The first forward pass adds the
+# activations ({glue:text}`anat_act_gib:.2f` GiB at this batch and sequence length, more than twice the
+# weights). The backward pass turns them into gradients: each saved tensor is freed once its layer's
+# gradients are computed, so at the end only gradients remain, and the transient slice
+# ({glue:text}`anat_transient_bwd_gib:.2f` GiB) is the activations that were still alive when the gradients
+# began to appear. The first optimizer step creates AdamW's two states and, while it runs,
+# {glue:text}`anat_temp_step_gib:.2f` GiB of true temporary buffers: PyTorch's default multi-tensor
+# ("foreach") AdamW computes intermediate results for all parameters at once, one more copy of the weights'
+# size. From the second iteration on, the optimizer states stay under everything else. The highest bar is
+# {glue:text}`anat_peak_gib:.2f` GiB, in phase "{glue:text}`anat_peak_phase`". The "other" slice at the end of
+# a forward pass ({glue:text}`anat_other_fwd_gib:.2f` GiB) is the batch, the logits, the loss and cuBLAS's
+# workspace: live, but not saved for backward.
+#
+# The accounting is exact for the model states. Bytes per parameter:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# (the bytes are exact on every machine, so CI compares this table with the GPU run's; printed as text,
+# because pandas' HTML differs between versions)
+states = accounted["2: step"]
+rule = estimates.BYTES_PER_PARAM["fp32_adamw"]
+bpp = pd.DataFrame({
+    "rule (bytes/param)": [float(rule[k]) for k in ("weights", "gradients", "optimizer_states")],
+    "measured (bytes/param)": [states[k] / n_bert for k in ("weights", "gradients", "optimizer_states")],
+}, index=["weights", "gradients", "optimizer states"])
+bpp.loc["total"] = bpp.sum()
+glue("fp32_bpp", bpp.loc["total", "measured (bytes/param)"])
+print(bpp.to_string(float_format="{:.2f}".format))
+
+# %% [markdown]
+# Exactly 16 bytes per parameter for fp32 training with AdamW, as the rule says. The Hugging Face guide
+# gives two more rules: **18 bytes** for mixed-precision training ("6 bytes of weights: an fp32 copy and a
+# 16-bit copy") and **6 bytes** for mixed-precision inference. In PyTorch, mixed precision means
+# `torch.autocast`: the weights stay fp32 and each matrix multiplication casts them to 16 bits on the fly.
+# Where do the two extra bytes live then? We count, with a single short sequence so that activations are
+# negligible, what autocast saves for backward, and what an fp32 and a bf16 model need for inference.
+
+# %%
+autocast_device = "cuda" if prof.on_gpu else "cpu"
+tiny_batch = {"input_ids": batch["input_ids"][:1, :8], "labels": batch["labels"][:1]}
+with accounting.SavedTensorMeter(model) as saved_fp32:
+    model(**tiny_batch).loss
+with accounting.SavedTensorMeter(model) as saved_amp, torch.autocast(autocast_device, dtype=torch.bfloat16):
+    model(**tiny_batch).loss
+mp_rows = {
+    "fp32 training: saved for backward": saved_fp32.total_bytes / n_bert,
+    "bf16 autocast training: saved for backward": saved_amp.total_bytes / n_bert,
+}
+glue("amp_saved_bpp", saved_amp.total_bytes / n_bert)
+pd.Series(mp_rows, name="bytes per parameter")
+
+# %% [markdown]
+# With autocast, the forward pass saves about {glue:text}`amp_saved_bpp:.2f` bytes per parameter even for an
+# 8-token input: the bf16 copies of the weights, which autocast caches for the duration of the forward pass
+# and which the backward pass needs (the weights of embeddings and layer norms are not cast, hence a little
+# under 2). So the guide's 18 bytes are real, but they are not a permanent part of the model state: they
+# are 16 persistent bytes plus 2 bytes that appear in the forward pass and are gone after backward, counted
+# here as activations. What about inference, under `torch.no_grad()`? The measurement below (GPU only) takes
+# the peak of one forward pass, weights included, for four ways of running it.
+
+# %%
+if profiles.cuda_or_skip("peak allocated memory is an allocator statistic"):
+    cleanup.free(globals(), "optimizer", "loss", "saved", "saved_fp32", "saved_amp")
+
+
+    def inference_peak_bpp(autocast_dtype=None):
+        """Peak bytes per parameter of one no-grad forward pass: weights + whatever it adds."""
+        measure.reset_peak("cuda")
+        base = torch.cuda.memory_allocated()
+        with torch.no_grad(), torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            model(**tiny_batch)
+        return (torch.cuda.max_memory_allocated() - base + accounting.param_bytes(model)) / n_bert
+
+
+    infer = {"fp32 weights": inference_peak_bpp(),
+             "fp32 weights, bf16 autocast": inference_peak_bpp(torch.bfloat16)}
+    model.requires_grad_(False)  # frozen: autocast no longer caches its casts
+    infer["fp32 weights, frozen, bf16 autocast"] = inference_peak_bpp(torch.bfloat16)
+    model.to(torch.bfloat16)
+    infer["bf16 weights"] = inference_peak_bpp()
+    glue("infer_amp_bpp", infer["fp32 weights, bf16 autocast"])
+    glue("infer_frozen_bpp", infer["fp32 weights, frozen, bf16 autocast"])
+    display(pd.Series(infer, name="peak bytes per parameter, inference"))
+
+# %% [markdown]
+# Mixed-precision inference with fp32 weights peaks at {glue:text}`infer_amp_bpp:.2f` bytes per parameter:
+# the guide's 6 bytes are right here, and the reason is the same cache. Autocast keeps the 16-bit copy of
+# every weight that *requires grad* until the autocast region ends, even under `torch.no_grad()`. Freeze the
+# weights (`model.requires_grad_(False)`) and it casts them one at a time instead:
+# {glue:text}`infer_frozen_bpp:.2f` bytes per parameter. Simpler still, load the model in bf16 for inference:
+# 2 bytes per parameter, no autocast needed. The rules are useful upper bounds; the measurements say what
+# PyTorch actually keeps, and when.
+
+# %% [markdown]
+# ## 1.4 Activations: batch size, sequence length, and the attention matrix
+#
+# Model states do not depend on the batch; activations grow with it. {cite:t}`korthikanti2022reducing`
+# count the bytes one transformer layer saves with 16-bit activations as
+#
+# $$ s\,b\,h\,\Bigl(34 + 5\,\frac{a\,s}{h}\Bigr) $$
+#
+# for sequence length $s$, batch size $b$, hidden size $h$ and $a$ attention heads. The $34\,sbh$ part is
+# linear in everything: the inputs of every linear layer, the GeLU input, layer norms, dropout masks.
+# The $5\,a s^2 b$ part is the attention matrix: softmax output, its dropout mask and dropout output, all
+# $s \times s$ per head. A fused attention kernel (FlashAttention, PyTorch's SDPA) never stores that matrix,
+# which leaves $34\,sbh$.
+#
+# We measure it: bert-large in bf16, training mode (dropout on), one forward pass, with the saved bytes
+# attributed to the layer whose forward was running (`SavedTensorMeter(group=...)`). All 24 layers are
+# identical, so we report one. Two attention implementations: `eager` (plain matmuls and softmax) and
+# `sdpa` (`torch.nn.functional.scaled_dot_product_attention`, which picks a fused kernel on a GPU).
+
+# %%
+cfg = models.config("bert-large-uncased")
+h, a = cfg.hidden_size, cfg.num_attention_heads
+
+
+def saved_per_layer(model, batch_size, seq_len):
+    layers = {f"layer {i}": layer for i, layer in enumerate(model.bert.encoder.layer)}
+    batch = {k: v.to(prof.device) for k, v in data.dummy_dataset(batch_size, seq_len, seed=1)[:].items()}
+    with accounting.SavedTensorMeter(model, group=layers) as meter:
+        model(**batch)
+    return meter.bytes_by_group["layer 1"]
+
+
+act_rows = []
+for attn in ("eager", "sdpa"):
+    act_model = models.build("bert-large-uncased", head="sequence-classification", dtype=torch.bfloat16,
+                             attn_implementation=attn).train()
+    for b, s in [(1, 512), (2, 512), (4, 512), (8, 512), (4, 128), (4, 256)] if prof.is_full else [(1, 64), (2, 64), (4, 64), (4, 16), (4, 32)]:
+        act_rows.append({"attention": attn, "batch": b, "seq": s,
+                         "measured (MiB/layer)": saved_per_layer(act_model, b, s) / MIB})
+    del act_model
+acts = pd.DataFrame(act_rows)
+acts["Korthikanti, eager (MiB/layer)"] = [estimates.korthikanti_activation_bytes(s, b, h, a) / MIB for b, s in zip(acts.batch, acts.seq, strict=True)]
+acts["Korthikanti, no s² term (MiB/layer)"] = [estimates.korthikanti_activation_bytes(s, b, h, a, attention="flash") / MIB for b, s in zip(acts.batch, acts.seq, strict=True)]
+acts["measured / sbh"] = acts["measured (MiB/layer)"] * MIB / (acts.seq * acts.batch * h)
+acts
+
+# %%
+import matplotlib.pyplot as plt
+
+s_max = acts.seq.max()
+fig, (ax_b, ax_s) = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+by_b = acts[acts.seq == s_max].sort_values("batch")
+by_s = acts[acts.batch == 4].sort_values("seq")
+for ax, frame, x, label in [(ax_b, by_b, "batch", f"batch size (seq {s_max})"), (ax_s, by_s, "seq", "sequence length (batch 4)")]:
+    for attn, style in [("eager", "o-"), ("sdpa", "s-")]:
+        part = frame[frame.attention == attn]
+        ax.plot(part[x], part["measured (MiB/layer)"], style, label=f"measured, {attn}")
+    ref = frame[frame.attention == "eager"]
+    ax.plot(ref[x], ref["Korthikanti, eager (MiB/layer)"], "k--", label="formula, with s² term")
+    ax.plot(ref[x], ref["Korthikanti, no s² term (MiB/layer)"], "k:", label="formula, 34·sbh")
+    ax.set_xlabel(label)
+ax_b.set_ylabel("saved for backward (MiB per layer)")
+ax_b.legend()
+fig.suptitle("bert-large, bf16, one layer: activations grow linearly in batch, faster in sequence with eager attention")
+fig.tight_layout()
+
+# %%
+if prof.is_full:
+    row = acts[(acts.batch == 4) & (acts.seq == 512)].set_index("attention")
+    glue("act_eager_mib", row.loc["eager", "measured (MiB/layer)"])
+    glue("act_sdpa_mib", row.loc["sdpa", "measured (MiB/layer)"])
+    glue("act_formula_mib", row.loc["eager", "Korthikanti, eager (MiB/layer)"])
+    glue("act_eager_sbh", row.loc["eager", "measured / sbh"])
+    glue("act_sdpa_sbh", row.loc["sdpa", "measured / sbh"])
+    glue("act_formula_sbh", 34 + 5 * a * 512 / h)
+    glue("act_total_eager_gib", row.loc["eager", "measured (MiB/layer)"] * cfg.num_hidden_layers * MIB / GIB)
+
+
+# %% [markdown]
+# At batch 4 and 512 tokens one layer saves {glue:text}`act_eager_mib:.1f` MiB with eager attention; the
+# formula says {glue:text}`act_formula_mib:.1f` MiB. In units of $sbh$ that is {glue:text}`act_eager_sbh:.2f`
+# against {glue:text}`act_formula_sbh:.0f`, for every batch size and sequence length in the table. The paper's
+# count holds; the remainder, $16/h = 0.016\,sbh$, is the two layer norms' per-token mean and inverse
+# standard deviation (2 x 2 x 4 bytes per token), which the formula leaves out. With SDPA the layer saves
+# {glue:text}`act_sdpa_mib:.1f` MiB ({glue:text}`act_sdpa_sbh:.2f` $sbh$, against 34 without the attention
+# matrix): the fused kernel stores no $s \times s$ matrix, only its output and a 4-byte log-sum-exp per head
+# and token ($4a/h = 0.0625\,sbh$ here), and growth in sequence length becomes linear. Over 24 layers, eager attention at batch 4 keeps {glue:text}`act_total_eager_gib:.1f`
+# GiB for backward.
+#
+# (In the tiny profile on a CPU the numbers differ from the formula: PyTorch's CPU kernels save other
+# intermediates than the GPU kernels the formula describes.)
+
+# %% [markdown]
+# ## 1.5 The LLM book's experiment: a 1.3B model on a 15 GB card
+#
+# Chapter 5 of the Korean LLM book that this course learns from trains `EleutherAI/polyglot-ko-1.3b` in
+# fp16 with AdamW on random sequences of 256 tokens, at batch sizes 4, 8 and 16, on Colab's T4, and prints
+# the memory of the model, the gradients, the optimizer states and the total. Batch 16 runs out of memory.
+#
+# We repeat it with the same architecture (GPT-NeoX, 24 layers, hidden 2048: 1,331,810,304 parameters,
+# built offline), eager attention as in the book's transformers version, three training steps per batch
+# size. On a GPU larger than a T4 we **emulate the T4**: `measure.gpu_budget` caps PyTorch's allocator with
+# `torch.cuda.set_per_process_memory_fraction`, at the T4's 14.75 GiB minus the CUDA context this process
+# already holds, so an allocation past it fails exactly as it would on the smaller card.
+
+# %%
+def llm_book_step_memory(batch_size, seq_len, steps=3):
+    """The book's loop: fp16 model, AdamW, a few steps; memory after each phase, in GiB."""
+    where = {"phase": "load"}
+    rows = []
+    model = models.build("polyglot-ko-1.3b", head="causal-lm", dtype=torch.float16, attn_implementation="eager")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ds = data.dummy_dataset(batch_size * steps, seq_len, task="causal-lm", high=30000, seed=2)
+    rec = measure.PhaseRecorder(prof.device)
+    try:
+        for it in range(1, steps + 1):
+            batch = {k: v.to(prof.device) for k, v in ds[(it - 1) * batch_size:it * batch_size].items()}
+            for phase in ("forward", "backward", "optimizer step"):
+                where["phase"] = f"{it}: {phase}"
+                with rec.phase(where["phase"]):
+                    if phase == "forward":
+                        loss = model(**batch).loss
+                    elif phase == "backward":
+                        loss.backward()
+                        grads = accounting.grad_bytes(model)
+                    else:
+                        optimizer.step()
+                        optimizer.zero_grad()
+            rows.append({
+                "batch": batch_size, "model (GiB)": accounting.param_bytes(model) / GIB,
+                "gradients (GiB)": grads / GIB,
+                "optimizer (GiB)": accounting.optimizer_state_bytes(optimizer) / GIB,
+            })
+    except torch.OutOfMemoryError:
+        return {"batch": batch_size, "result": f"out of memory ({where['phase']})"}, rec.to_frame()
+    phases = rec.to_frame()
+    out = rows[-1] | {"result": "ok"}
+    if prof.on_gpu:
+        out["allocated after step (GiB)"] = phases["allocated_mib"].iloc[-1] * MIB / GIB
+        out["peak (GiB)"] = phases["peak_allocated_mib"].max() * MIB / GIB
+        out["peak phase"] = phases["peak_allocated_mib"].idxmax()
+    return out, phases
+
+
+# %%
+llm_seq = prof.pick(tiny=64, full=256)
+llm_rows, llm_phases = [], {}
+cleanup.free(globals(), "model")  # bert-large is done; start from an empty allocator
+if prof.on_gpu:
+    print(f"allocated before the experiment: {torch.cuda.memory_allocated() / MIB:,.0f} MiB")
+if profiles.cuda_or_skip("emulating the T4's memory needs a GPU; the tiny models run without a cap"):
+    context_gib = (measure.nvml_used_mib() - nvml_used["before any CUDA call"]) * MIB / GIB - torch.cuda.memory_reserved() / GIB
+    t4_budget_gib = measure.T4_MEMORY_GIB - context_gib
+    glue("t4_budget_gib", t4_budget_gib)
+    print(f"allocator capped at {t4_budget_gib:.2f} GiB = 14.75 GiB (T4) - {context_gib:.2f} GiB (this process's CUDA context)")
+for bs in (4, 8, 16):
+    if prof.on_gpu:
+        with measure.gpu_budget(t4_budget_gib):
+            row, llm_phases[bs] = llm_book_step_memory(bs, llm_seq)
+    else:
+        row, llm_phases[bs] = llm_book_step_memory(bs, llm_seq)
+    llm_rows.append(row)
+    freed = cleanup.free(globals())  # the function's model and optimizer are already out of scope
+    if prof.on_gpu:
+        print(f"batch {bs}: {row['result']}; allocated now {torch.cuda.memory_allocated() / MIB:,.0f} MiB")
+llm = pd.DataFrame(llm_rows).set_index("batch")
+llm
+
+# %% [markdown]
+# The model takes {glue:text}`llm_model_gib:.2f` GiB (2 bytes x 1.33 B parameters), the gradients as much,
+# and the two fp16 AdamW states twice that: {glue:text}`llm_states_gib:.2f` GiB. As in the book, these three do
+# not change with the batch size; only the total does. (The book printed 2.599 "GB", in fact GiB, after
+# loading the real checkpoint; our weights are exactly 2 bytes per parameter.)
+#
+# Batch 4 and batch 8 fit under the emulated T4, batch 16 does not, as in the book: it fails with
+# "{glue:text}`llm_result_16`". Note where: the first iteration of batch 16 fits, because AdamW creates its
+# states lazily, in the first `optimizer.step()`. From then on the states' {glue:text}`llm_states_gib:.2f` GiB
+# sit under every forward pass, and the second forward pass's activations no longer fit. After each run,
+# the failed one included, allocated memory is back to {glue:text}`llm_alloc_after_mib:.0f` MiB: nothing
+# leaked. Recovering from an out-of-memory error needs only that nothing keeps a reference to the failed
+# step's tensors; the `except` clause inside the function lets the exception, and the stack frames it
+# holds, go before `cleanup.free` empties the cache.
+#
+# **Where is the peak?** The table's last column names the phase. At batch 4 it is
+# "{glue:text}`llm_peak_phase_4`", at {glue:text}`llm_peak_4:.2f` GiB, against {glue:text}`t4_budget_gib:.2f` GiB
+# allowed: not the activations, but the optimizer step, where weights, gradients, both states and the step's
+# temporary buffers are alive at once. The per-phase record of batch 4:
+
+# %%
+if prof.on_gpu:
+    llm_ok = llm[llm.result == "ok"]
+    glue("llm_model_gib", llm_ok["model (GiB)"].iloc[0])
+    glue("llm_states_gib", llm_ok["optimizer (GiB)"].iloc[0])
+    glue("llm_result_16", llm.loc[16, "result"])
+    glue("llm_alloc_after_mib", torch.cuda.memory_allocated() / MIB)
+    glue("llm_peak_phase_4", llm.loc[4, "peak phase"])
+    glue("llm_peak_4", llm.loc[4, "peak (GiB)"])
+    glue("llm_peak_8", llm.loc[8, "peak (GiB)"])
+if profiles.cuda_or_skip("the per-phase peak is an allocator statistic"):
+    ph4 = (llm_phases[4][["peak_allocated_mib", "allocated_mib"]] * MIB / GIB).rename(
+        columns={"peak_allocated_mib": "peak during the phase", "allocated_mib": "allocated after the phase"})
+    fig = plots.lines(ph4.reset_index(drop=True).reset_index(), x="index", ys=list(ph4.columns),
+                      title="polyglot-ko-1.3b shape, fp16 AdamW, batch 4, seq 256: memory per phase",
+                      xlabel="iteration: phase", ylabel="memory (GiB)")
+    ax = fig.axes[0]
+    ax.axhline(t4_budget_gib, color="grey", linestyle="--", label="emulated T4 budget")
+    ax.set_xticks(range(len(ph4)), ph4.index, rotation=35, ha="right")
+    ax.legend()
+    fig.tight_layout()
+
+# %% [markdown]
+# The forward passes climb from iteration 1 to 2 by the optimizer states; each optimizer step adds a
+# temporary buffer the size of the weights on top of weights, gradients and states (PyTorch's default
+# multi-tensor AdamW computes $\sqrt{v}$ for all parameters at once). Batch 8 peaks at
+# {glue:text}`llm_peak_8:.2f` GiB: at this sequence length its activations still stay under the step's peak.
+#
+# **A warning about the book's recipe.** Training with the weights *and* AdamW's states in fp16 halves
+# the optimizer memory, but fp16 cannot hold what AdamW stores. Its second state is a running mean of
+# squared gradients: a gradient of 1e-4 squares to 1e-8, below fp16's smallest positive number (about
+# 6e-8), so it becomes 0. AdamW's `eps` (1e-8) is also 0 in fp16. The update divides by
+# $\sqrt{v} + \epsilon = 0$:
+
+# %%
+grads = torch.tensor([1e-2, 1e-3, 1e-4, 1e-5])
+updates = {}
+for dtype in (torch.float32, torch.float16):
+    p = torch.zeros(4, dtype=dtype, requires_grad=True)
+    opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.0)
+    p.grad = grads.to(dtype)
+    opt.step()
+    updates[str(dtype)] = {"exp_avg_sq": opt.state[p]["exp_avg_sq"].tolist(), "new weight": p.detach().tolist()}
+pd.DataFrame({f"new weight, {k}": v["new weight"] for k, v in updates.items()},
+             index=[f"{g:.0e}" for g in grads.tolist()]).rename_axis("gradient").map("{:.4g}".format)
+
+# %% [markdown]
+# In fp32 every weight moves by the learning rate (Adam's first step is lr times the sign of the gradient).
+# In fp16 the small gradients' squared means underflowed to zero and their weights became infinite: one
+# step, and the model is broken. Mixed precision (chapter 5) keeps the weights and states in fp32 and
+# computes in 16 bits; 8-bit optimizers (chapter 2 and 5) shrink the states safely with per-block scales.
+
+# %% [markdown]
+# ## 1.6 "Training takes 4 x the model": the calculator's rule
+#
+# Hugging Face's model-memory calculator estimates training with Adam as four times the model's size (the
+# seed notes quote 2.37 GB and 9.49 GB for polyglot-ko-1.3b in fp16). The factor 4 is weights + gradients +
+# two optimizer states, all in the model's dtype, exactly the book's fp16 recipe; activations,
+# temporary buffers and the CUDA context are not in it. Against our measured peaks:
+
+# %%
+model_gib = models.n_params(models.build("polyglot-ko-1.3b", head="causal-lm", device="meta")) * 2 / GIB
+rule_gib = estimates.hf_calculator_training_bytes(int(model_gib * GIB)) / GIB
+calc = pd.DataFrame({
+    "model, fp16 (GiB)": [model_gib], "calculator: 4 x model (GiB)": [rule_gib],
+    "seed notes' calculator (GB)": ["2.37 / 9.49"],
+})
+if prof.on_gpu:
+    for bs in llm.index:
+        calc[f"measured peak, batch {bs} (GiB)"] = llm.loc[bs, "peak (GiB)"] if llm.loc[bs, "result"] == "ok" else float("nan")
+    glue("calc_rule_gib", rule_gib)
+    glue("calc_peak4_ratio", llm.loc[4, "peak (GiB)"] / rule_gib)
+calc.T.rename(columns={0: "value"})
+
+# %% [markdown]
+# The rule gives {glue:text}`calc_rule_gib:.2f` GiB. The measured peak at batch 4 is
+# {glue:text}`calc_peak4_ratio:.2f` times that, before counting the CUDA context: the optimizer's temporary
+# buffers and the activations are real memory the rule leaves out. The calculator's model size, 2.37, is
+# also smaller than the {glue:text}`llm_model_gib:.2f` GiB that 2 bytes x 1,331,810,304 parameters occupy; how
+# it counts cannot be seen from outside. Treat its numbers as a lower bound.
+
+# %% [markdown]
+# ## 1.7 Is the backward pass twice the forward?
+#
+# A linear layer's backward pass computes two products (the gradient with respect to the input and the one
+# with respect to the weight) where the forward pass computes one, so the backward pass should take about
+# twice as long. We time bert-large at batch 4, fp32, with `measure.time_fn`: warm-up calls first, the device
+# synchronised around every timed call, the median of several.
+
+# %%
+timing_model = models.build("bert-large-uncased", head="sequence-classification")
+timing_model.train()
+fwd = measure.time_fn(lambda: timing_model(**batch).loss, device=prof.device, warmup=2, repeat=5)
+
+
+def forward_backward():
+    timing_model(**batch).loss.backward()
+
+
+fwd_bwd = measure.time_fn(forward_backward, device=prof.device, warmup=2, repeat=5)
+times = pd.Series({"forward (s)": fwd.median_s, "forward + backward (s)": fwd_bwd.median_s,
+                   "backward (s)": fwd_bwd.median_s - fwd.median_s})
+times["backward / forward"] = times["backward (s)"] / times["forward (s)"]
+glue("bwd_fwd_ratio", times["backward / forward"])
+times
+
+# %% [markdown]
+# The backward pass takes {glue:text}`bwd_fwd_ratio:.2f` times the forward pass here: the rule holds for a
+# model whose time is dominated by matrix products. Element-wise operations (dropout, GeLU, layer norm) are
+# bound by memory bandwidth instead, and their backward pass reads more tensors than their forward pass did;
+# where they weigh more (small hidden sizes, long sequences with eager attention) the ratio moves away from 2.
+# Chapter 8 profiles where the time goes, operator by operator.
+
+# %%
+cleanup.free(globals(), "timing_model", "model", "optimizer", "batch", "tiny_batch", "ds", "fwd", "fwd_bwd")
+if prof.on_gpu:
+    print(f"allocated at the end: {torch.cuda.memory_allocated() / MIB:,.0f} MiB")
+
+# %% [markdown]
+# ## Summary
+#
+# - NVML's *used* counts everything on the card (driver, CUDA context, the allocator's cache); torch's
+#   *allocated* counts live tensors. Out-of-memory is decided by the first; the second says who owns it.
+# - Training memory = weights + gradients + optimizer states (16 bytes per parameter for fp32 AdamW, exactly) +
+#   activations (linear in batch size, quadratic in sequence length with eager attention) + temporary buffers +
+#   the runtime's own memory.
+# - Autocast's 16-bit weight copies exist only between forward and backward; the "18 bytes" rule counts them
+#   as permanent, the "4 x model" rule ignores activations and temporaries altogether.
+# - At small batch the peak can be the optimizer step, not the activations.
+# - Pure fp16 AdamW halves the optimizer's memory and breaks training: its squared-gradient state underflows.
+#
+# ## Use it in your own script
+#
+# The few lines that apply this chapter to any training loop, without `helpers`: measure the peak of one step
+# and compare it with the bytes-per-parameter rule.
+#
+# ```python
+# import torch
+#
+# n_params = sum(p.numel() for p in model.parameters())
+# print(f"model states, fp32 AdamW: {16 * n_params / 2**30:.2f} GiB (16 bytes per parameter)")
+# torch.cuda.reset_peak_memory_stats()
+# loss = model(**batch).loss
+# loss.backward()
+# optimizer.step()
+# optimizer.zero_grad(set_to_none=True)
+# print(f"peak allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB, "
+#       f"reserved {torch.cuda.memory_reserved() / 2**30:.2f} GiB")
+# ```
+#
+# ## Exercises
+#
+# Each exercise has a hint and an answer (or the range to expect) behind a click.
+#
+# 1. In section 1.3, change the batch from 4 to 8 sequences. Which bars grow, and by how much? Predict it from
+#    the activation table of section 1.4 first.
+#
+#    <details><summary>Hint</summary>
+#
+#    Only the activations (and the temporaries that scale with them) depend on the batch; weights, gradients and optimizer states do not.
+#
+#    </details>
+#
+#    <details><summary>Answer</summary>
+#
+#    The activation bar about doubles (twice the per-sample bytes of the table in section 1.4, times the number of layers); the weight, gradient and optimizer-state bars do not move. The measured per-layer bytes are in section 1.4's table.
+#
+#    </details>
+#
+# 2. Build the activation model of section 1.4 with `num_hidden_layers=12` (pass it to `models.build`). The
+#    bytes per layer should not change. Do they?
+#
+#    <details><summary>Hint</summary>
+#
+#    The bytes a layer saves depend on batch, sequence, hidden size and heads, not on how many layers there are.
+#
+#    </details>
+#
+#    <details><summary>Answer</summary>
+#
+#    Yes: the bytes per layer stay the same (within a few percent, from the embeddings and the head spread over more layers); the total grows with the number of layers.
+#
+#    </details>
+#
+# 3. In section 1.5, pass `foreach=False` to `torch.optim.AdamW`. The step's temporary buffers should
+#    shrink to one parameter at a time: how much lower is the peak at batch 4, and what does the step cost in
+#    time?
+#
+#    <details><summary>Hint</summary>
+#
+#    The multi-tensor ("foreach") step keeps about one model-sized copy of intermediates; the per-parameter loop keeps one parameter's worth at a time.
+#
+#    </details>
+#
+#    <details><summary>Answer</summary>
+#
+#    If the optimizer step is where the peak is (section 1.5's phase plot shows which phase peaks), the peak falls by up to one copy of the weights in the model's dtype: about 2.5 GiB for 1.33B parameters in fp16. The step gets slower, since it launches several kernels per parameter instead of a few per group.
+#
+#    </details>
+#
+# 4. Rerun section 1.5 with `attn_implementation="sdpa"`. Does batch 16 fit on the emulated T4 now?
+#
+#    <details><summary>Hint</summary>
+#
+#    Eager attention stores the $s \times s$ scores and probabilities per head and layer, about $5 a s^2 b$ bytes per layer in 16 bits (Korthikanti et al.); SDPA stores none of them.
+#
+#    </details>
+#
+#    <details><summary>Answer</summary>
+#
+#    Most likely not. At $s = 256$, 16 heads and batch 16, SDPA saves about 2 GB over 24 layers, but the $34 s b h$ part (over 6 GiB) plus about 10 GiB of fp16 AdamW model states still exceed the emulated 14.75 GiB. Gradient checkpointing (chapter 4) is what makes batch 16 fit.
+#
+#    </details>
+#
+# ## References
+#
+# - {cite:t}`hf_training_anatomy` and {cite:t}`hf_perf_train_gpu_one`: the Trainer baseline, the six
+#   components, the 16/18/6 bytes-per-parameter rules.
+# - {cite:t}`heo2024llm`, chapter 5: the polyglot-ko-1.3b experiment of section 1.5.
+# - {cite:t}`korthikanti2022reducing`: activation memory per layer.
+# - {cite:t}`hf_model_memory_calculator`: the "4 x model size" training estimate.
+# - {cite:t}`micikevicius2018mixed`: mixed precision, fp32 master weights and loss scaling.
+# - {cite:t}`ivanov2021data`: where time goes in transformer training, operator by operator.

@@ -1,0 +1,898 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 2. Data types and quantization
+#
+# A model's memory is its number of parameters times the bytes of each one. Chapter 1 counted the
+# parameters; this chapter is about the bytes. We look at what 32, 16 and 8 bits can and cannot hold, watch
+# the 16-bit formats fail in front of us, and then write the four int8 quantization schemes of the seed notes
+# by hand (absmax, zero-point, block-wise, quantile), measuring the error of each. Finally we use the
+# production versions in bitsandbytes and transformers, LLM.int8() and 4-bit NF4, on a layer and on the
+# whole 1.3B model, and hold their memory against the expected bytes per parameter.
+#
+# **What you will learn**
+#
+# - the bit layout, range and precision of fp32, tf32, fp16, bf16, fp8 and int8, and how to read them off
+#   `torch.finfo`;
+# - why fp16 training needs loss scaling and why long sums are accumulated in fp32;
+# - how absmax, zero-point, block-wise and quantile quantization work, what each costs, and how outliers
+#   break the simple ones;
+# - what LLM.int8() and NF4 (with and without double quantization) store, how close they stay to bf16, and
+#   what they cost in speed.
+#
+# **Prerequisites:** [chapter 1](01_memory_anatomy.ipynb) (bytes per parameter, the allocator's numbers).
+
+# %%
+import sys
+
+if "google.colab" in sys.modules:  # Colab: install the book's helpers; torch is already there
+    # %pip install -q "gpu-efficient-training @ git+https://github.com/gpu-efficient-training/book"
+
+from helpers import env
+
+env.quiet()  # warnings without file paths, no progress bars: outputs that read the same everywhere
+
+import math
+import tempfile
+
+import bitsandbytes as bnb
+import matplotlib.pyplot as plt
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+from helpers import accounting, cleanup, measure, models, plots, profiles
+from helpers.glue import glue
+from helpers.measure import GIB
+
+plots.use_style()
+pd.options.display.float_format = "{:,.4g}".format
+prof = profiles.get()
+env.report(prof)
+
+# %% [markdown]
+# ## 2.1 Formats: sign, exponent, mantissa
+#
+# A floating-point number is $(-1)^{s} \times 1.m \times 2^{e - \text{bias}}$: a sign bit, an exponent that
+# sets the *range* and a mantissa (fraction) that sets the *precision*. Fewer exponent bits means a smaller
+# range; fewer mantissa bits means coarser steps. `torch.finfo` knows every format PyTorch has; the mantissa
+# width follows from the machine epsilon ($\epsilon = 2^{-m}$, the gap between 1 and the next number).
+# TF32 has no dtype of its own: it is a mode of NVIDIA's tensor cores (Ampere and later) that multiplies
+# fp32 inputs with a 10-bit mantissa, and we add its row by hand. This table is the same on every machine,
+# so CI checks it against the committed one.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+FLOATS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+          "fp8 e4m3": torch.float8_e4m3fn, "fp8 e5m2": torch.float8_e5m2}
+
+
+def describe(dtype):
+    fi = torch.finfo(dtype)
+    mantissa = round(-math.log2(fi.eps))
+    return {"bits": fi.bits, "exponent bits": fi.bits - 1 - mantissa, "mantissa bits": mantissa,
+            "max": fi.max, "smallest normal": fi.tiny, "smallest subnormal": fi.tiny * fi.eps, "epsilon": fi.eps}
+
+
+formats = {name: describe(dt) for name, dt in FLOATS.items()}
+formats["tf32 (matmul mode)"] = {**formats["fp32"], "bits": 19, "mantissa bits": 10, "epsilon": 2.0**-10,
+                                  "smallest subnormal": float("nan")}
+ii = torch.iinfo(torch.int8)
+formats["int8"] = {"bits": 8, "exponent bits": 0, "mantissa bits": 7, "max": ii.max, "smallest normal": 1,
+                   "smallest subnormal": float("nan"), "epsilon": 1}
+table = pd.DataFrame(formats).T
+table[["bits", "exponent bits", "mantissa bits"]] = table[["bits", "exponent bits", "mantissa bits"]].astype(int)
+print(table.map(lambda v: f"{v:.4g}" if isinstance(v, float) else v).to_string())  # text: identical everywhere
+
+# %% [markdown]
+# fp16 and bf16 spend their 16 bits differently: fp16 keeps 10 mantissa bits and only 5 exponent bits (largest
+# value 65,504), bf16 keeps fp32's 8 exponent bits (the same range as fp32) and only 7 mantissa bits
+# {cite:p}`kalamkar2019bfloat16`. The two fp8 formats make the same trade at 8 bits. int8 has no exponent at
+# all: 256 evenly spaced values, which is why quantizing to it needs a *scale*. The layouts, drawn to scale:
+
+# %%
+LAYOUT = {"fp32": (8, 23), "tf32": (8, 10), "fp16": (5, 10), "bf16": (8, 7),
+          "fp8 e4m3": (4, 3), "fp8 e5m2": (5, 2), "int8": (0, 7)}
+colors = {"sign": "#C44E52", "exponent": "#4C72B0", "mantissa": "#55A868"}
+fig, ax = plt.subplots(figsize=(9, 3.6))
+for row, (name, (e, m)) in enumerate(LAYOUT.items()):
+    parts = ["sign"] + ["exponent"] * e + ["mantissa"] * m
+    for i, part in enumerate(parts):
+        ax.add_patch(plt.Rectangle((i, -row - 0.4), 0.92, 0.8, color=colors[part]))
+    ax.text(-0.6, -row, name, ha="right", va="center", fontsize=9)
+    ax.text(len(parts) + 0.4, -row, f"{len(parts)} bits", va="center", fontsize=8)
+for part, color in colors.items():
+    ax.bar(0, 0, color=color, label=part)
+ax.set_xlim(-6, 37)
+ax.set_ylim(-len(LAYOUT) + 0.4, 0.6)
+ax.axis("off")
+ax.legend(loc="lower right", ncols=3)
+ax.set_title("Bit layouts: exponent bits buy range, mantissa bits buy precision (int8: value bits)")
+fig.tight_layout()
+
+# %% [markdown]
+# What happens to three numbers in each format: 0.1 (not exact in binary), 65,504 (fp16's largest) and
+# $10^{-8}$ (a typical small gradient). The bits are shown as sign | exponent | mantissa.
+
+# %%
+BITS_AS = {8: torch.uint8, 16: torch.int16, 32: torch.int32}
+
+
+def bit_string(value, dtype):
+    """The stored bits of ``value`` in ``dtype``, split as sign | exponent | mantissa."""
+    fi = torch.finfo(dtype)
+    raw = torch.tensor(value, dtype=torch.float64).to(dtype).view(BITS_AS[fi.bits]).item() & (2**fi.bits - 1)
+    bits = format(raw, f"0{fi.bits}b")
+    e = fi.bits - 1 - round(-math.log2(fi.eps))
+    return f"{bits[0]}|{bits[1:1 + e]}|{bits[1 + e:]}"
+
+
+rows = []
+for value in (0.1, 65504.0, 1e-8):
+    for name, dt in FLOATS.items():
+        stored = torch.tensor(value, dtype=torch.float64).to(dt).to(torch.float64).item()
+        rows.append({"value": value, "format": name, "bits": bit_string(value, dt), "stored as": f"{stored:.8g}",
+                     "relative error": f"{abs(stored - value) / value:.2e}" if math.isfinite(stored) else "overflow"})
+e4m3 = torch.tensor(65504.0).to(torch.float8_e4m3fn).float().item()
+glue("e4m3_65504", str(e4m3))
+glue("torch_version", torch.__version__.split("+")[0])
+pd.DataFrame(rows).set_index(["value", "format"])
+
+# %% [markdown]
+# 0.1 is off by about $2^{-m}$ in every format, as it should be. 65,504 is exact in fp16 and fp32, but bf16
+# rounds it to 65,536, and fp8 e5m2 overflows to infinity. fp8 e4m3 has no infinity at all (its largest code
+# is kept for NaN), and what a cast beyond its range gives depends on the PyTorch version: in this run's PyTorch
+# ({glue:text}`torch_version`) the result is {glue:text}`e4m3_65504`; on this book's CPU test machine, PyTorch 2.13
+# saturates to 448. Code that casts to fp8 scales its tensors into range first and clamps, and never relies on
+# either behaviour. $10^{-8}$ survives in bf16 (fp32's range) but is **zero** in fp16 and both fp8 formats.
+
+# %% [markdown]
+# ## 2.2 Range and precision, failing in front of you
+#
+# Small arithmetic first: overflow, underflow, and a step too small to register.
+
+# %%
+h, b = torch.float16, torch.bfloat16
+failures = {
+    "fp16: 65504 + 32": (torch.tensor(65504.0, dtype=h) + 32).item(),
+    "fp16: 300 x 300": (torch.tensor(300.0, dtype=h) * 300).item(),
+    "bf16: 300 x 300": (torch.tensor(300.0, dtype=b) * 300).item(),
+    "fp16: 1e-8": torch.tensor(1e-8, dtype=h).item(),
+    "fp16: 1e-8 x 65536 (scaled first)": torch.tensor(1e-8 * 65536, dtype=h).item(),
+    "bf16: 1 + 2**-8": (torch.tensor(1.0, dtype=b) + 2.0**-8).item(),
+    "bf16: 1 + 2**-7": (torch.tensor(1.0, dtype=b) + 2.0**-7).item(),
+}
+pd.Series(failures, name="result").map("{:.8g}".format)
+
+# %% [markdown]
+# fp16 overflows past 65,504 where bf16 merely rounds (90,000 becomes 90,112). Underflow is the subtler
+# danger in training: gradients that small do occur, and fp16 flushes them to zero, silently. That is why fp16 mixed precision multiplies the loss by a large factor before `backward()`
+# (*loss scaling*, {cite:t}`micikevicius2018mixed`): the gradients are scaled by the same factor and land
+# inside fp16's range, and the optimizer divides them back in fp32. bf16 needs no scaling, but its steps are
+# coarse: $1 + 2^{-8}$ is exactly 1.
+#
+# How many real gradients would fp16 lose? We take one backward pass of bert-large (the tiny twin on a CPU) in
+# fp32 and count the gradient entries that fp16 would flush to zero, with and without a loss scale of
+# $2^{16}$.
+
+# %%
+model = models.build("bert-large-uncased", head="sequence-classification")
+ids = torch.randint(100, 30000, (4, prof.pick(tiny=64, full=512)), generator=torch.Generator().manual_seed(0))
+model(input_ids=ids.to(prof.device), labels=torch.tensor([0, 1, 0, 1], device=prof.device)).loss.backward()
+grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+nonzero = grads[grads != 0]
+smallest_fp16 = torch.finfo(torch.float16).tiny * torch.finfo(torch.float16).eps  # 2**-24
+lost = {
+    "no scaling": (nonzero.abs() < smallest_fp16 / 2).float().mean().item(),
+    "loss scale 2**16": (nonzero.abs() * 2**16 < smallest_fp16 / 2).float().mean().item(),
+}
+overflow_scaled = (nonzero.abs() * 2**16 > torch.finfo(torch.float16).max).float().mean().item()
+if prof.is_full:
+    glue("grad_lost_pct", 100 * lost["no scaling"])
+    glue("grad_lost_scaled_pct", 100 * lost["loss scale 2**16"])
+    glue("grad_overflow_scaled_pct", 100 * overflow_scaled)
+cleanup.free(globals(), "model", "grads", "nonzero")
+pd.Series({k: f"{100 * v:.3f} %" for k, v in lost.items()} | {"overflow with scale 2**16": f"{100 * overflow_scaled:.3f} %"},
+          name="non-zero gradient entries lost in fp16")
+
+# %% [markdown]
+# In this backward pass (a freshly initialised model on random data) {glue:text}`grad_lost_pct:.3f` % of the
+# non-zero gradient entries are too small for fp16 and would become zero; multiplied by $2^{16}$ only
+# {glue:text}`grad_lost_scaled_pct:.1e` % are, and {glue:text}`grad_overflow_scaled_pct:.1f` % overflow. A small
+# share, but a systematic one: the lost entries are exactly the smallest updates. Real training adjusts the scale as it goes
+# (`torch.amp.GradScaler` halves it when an overflow appears and grows it again after a run of clean steps);
+# chapter 5 measures it.
+#
+# **Long sums.** Adding many small numbers in a low-precision accumulator stops working once the running sum's
+# spacing exceeds twice the addend. We add 0.01 ten thousand times (exact answer: 100) with the accumulator
+# in each format, one addition at a time as a naive loop would, and compare with `torch.sum`, whose kernels
+# accumulate 16-bit inputs in fp32.
+
+# %%
+n_terms = 10_000
+runs = {}
+for name, dt in [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)]:
+    step, total, trace = torch.tensor(0.01, dtype=dt), torch.tensor(0.0, dtype=dt), []
+    for _ in range(n_terms):
+        total = total + step
+        trace.append(total.item())
+    runs[f"{name} accumulator"] = trace
+sums = pd.DataFrame(runs, index=range(1, n_terms + 1))
+final = sums.iloc[-1].to_dict() | {
+    "torch.sum of fp16 values": torch.full((n_terms,), 0.01, dtype=torch.float16).sum().item(),
+}
+glue("sum_fp16", final["fp16 accumulator"])
+glue("sum_bf16", final["bf16 accumulator"])
+fig = plots.lines(sums.iloc[::50].reset_index(names="terms"), x="terms", ys=list(runs),
+                  title="Adding 0.01 ten thousand times: 16-bit accumulators stall", xlabel="terms added",
+                  ylabel="running sum", styles=["-", "-", "-"])
+pd.Series(final, name="sum of 10,000 x 0.01 (exact: 100)")
+
+# %% [markdown]
+# The fp16 accumulator stalls at {glue:text}`sum_fp16:g` and the bf16 one at {glue:text}`sum_bf16:g`: past
+# those values a step of 0.01 is less than half the gap to the next representable number and rounds away.
+# `torch.sum` over the same fp16 values is right, because it accumulates in fp32. Matrix multiplications on
+# tensor cores do the same: 16-bit inputs, fp32 accumulation. We check that against an fp64 reference: for
+# each format, the error of the product computed in that format, and the error of an exact product of the
+# same inputs rounded to that format. If the two agree, the whole error comes from rounding the inputs.
+
+# %%
+torch.manual_seed(0)
+n = prof.pick(tiny=256, full=4096)
+A64 = torch.randn(n, n, dtype=torch.float64, device=prof.device)
+B64 = torch.randn(n, n, dtype=torch.float64, device=prof.device)
+C64 = A64 @ B64
+modes = [("fp32", torch.float32, False), ("bf16", torch.bfloat16, False), ("fp16", torch.float16, False)]
+if profiles.cuda_or_skip("TF32 is a tensor-core mode of NVIDIA GPUs"):
+    modes.insert(1, ("tf32", torch.float32, True))
+
+
+def round_to_tf32(x):
+    """fp32 -> the nearest value with a 10-bit mantissa (what TF32 tensor cores read), kept as fp32."""
+    bits = x.view(torch.int32)
+    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+
+
+matmul_err = {}
+for name, dt, tf32 in modes:
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    A, B = A64.to(dt), B64.to(dt)
+    C = (A @ B).to(torch.float64)
+    rounded = (round_to_tf32(A), round_to_tf32(B)) if tf32 else (A, B)
+    inputs_only = rounded[0].to(torch.float64) @ rounded[1].to(torch.float64)
+    matmul_err[name] = {
+        "relative error of the product": ((C - C64).norm() / C64.norm()).item(),
+        "from rounding the inputs alone": ((inputs_only - C64).norm() / C64.norm()).item(),
+    }
+torch.backends.cuda.matmul.allow_tf32 = False
+matmul_err = pd.DataFrame(matmul_err).T
+if prof.is_full and prof.on_gpu:
+    glue("mm_err_bf16", matmul_err.loc["bf16", "relative error of the product"])
+    glue("mm_err_tf32", matmul_err.loc["tf32", "relative error of the product"])
+    glue("mm_err_fp16", matmul_err.loc["fp16", "relative error of the product"])
+    glue("mm_err_fp32", matmul_err.loc["fp32", "relative error of the product"])
+glue("mm_err_fp32_inputs", matmul_err.loc["fp32", "from rounding the inputs alone"])
+cleanup.free(globals(), "A64", "B64", "C64", "A", "B", "C", "inputs_only", "rounded")
+matmul_err
+
+# %% [markdown]
+# For a {glue:text}`mm_n:,d` x {glue:text}`mm_n:,d` product, TF32 is off by {glue:text}`mm_err_tf32:.1e`, fp16 by
+# {glue:text}`mm_err_fp16:.1e` and bf16 by {glue:text}`mm_err_bf16:.1e`: close to the error of rounding their
+# inputs to $m$ mantissa bits (about $2^{-m}$), plus, for fp16 and bf16, rounding the output back to 16 bits.
+# Accumulating 4,096 products adds little, because it happens in fp32. In fp32 the picture reverses: rounding
+# the inputs costs only {glue:text}`mm_err_fp32_inputs:.1e`, and the {glue:text}`mm_err_fp32:.1e` that remain
+# are the accumulation itself, in fp32 arithmetic.
+
+# %%
+glue("mm_n", n)
+
+# %% [markdown]
+# ## 2.3 Model size by data type
+#
+# Size is parameters times bytes. The seed notes' shortcut: a 7B model in 16 bits is "7 x 2 = 14 GB". We build
+# each registry model on PyTorch's `meta` device (structure without memory) in each dtype, and count the bytes
+# its parameters would take. int8 and 4-bit rows are the ideal 1 and 0.5 bytes per parameter; section 2.5
+# measures the real thing.
+
+# %%
+size_rows = {}
+for name in models.REGISTRY:
+    head = "causal-lm" if "causal-lm" in models.spec(name).heads else "sequence-classification"
+    row = {}
+    for label, dt in [("fp32", torch.float32), ("bf16", torch.bfloat16)]:
+        meta_model = models.build(name, profile="full", head=head, dtype=dt, device="meta")
+        row["parameters (B)"] = models.n_params(meta_model) / 1e9
+        row[f"{label} (GiB)"] = accounting.param_bytes(meta_model) / GIB
+    row["int8, ideal (GiB)"] = row["parameters (B)"] * 1e9 / GIB
+    row["4-bit, ideal (GiB)"] = row["parameters (B)"] * 0.5e9 / GIB
+    row["bf16 (GB = 1e9 B)"] = row["bf16 (GiB)"] * GIB / 1e9
+    size_rows[name] = row
+sizes = pd.DataFrame(size_rows).T
+glue("llama_params_b", sizes.loc["llama-2-7b", "parameters (B)"])
+glue("llama_bf16_gib", sizes.loc["llama-2-7b", "bf16 (GiB)"])
+glue("llama_bf16_gb", sizes.loc["llama-2-7b", "bf16 (GB = 1e9 B)"])
+sizes
+
+# %% [markdown]
+# The Llama-2-7B shape has {glue:text}`llama_params_b:.2f` billion parameters: {glue:text}`llama_bf16_gb:.1f`
+# GB in bf16, or {glue:text}`llama_bf16_gib:.2f` GiB, which is what a GPU's "80 GB" (really GiB) must hold.
+# The "7 x 2 = 14" rule rounds the parameter count up and mixes GB with GiB; both errors are a few percent and
+# point the same way, so it is a safe upper bound. On the GPU we check one row for real: the 1.3B model built in
+# bf16 occupies exactly its parameter bytes.
+
+# %%
+if profiles.cuda_or_skip("the allocator's numbers exist only on a GPU"):
+    before = torch.cuda.memory_allocated()
+    bf16_model = models.build("polyglot-ko-1.3b", head="causal-lm", dtype=torch.bfloat16)
+    built_gib = (torch.cuda.memory_allocated() - before) / GIB
+    glue("built_bf16_gib", built_gib)
+    print(f"allocated by the bf16 model: {built_gib:.3f} GiB; table: {sizes.loc['polyglot-ko-1.3b', 'bf16 (GiB)']:.3f} GiB")
+    cleanup.free(globals(), "bf16_model")
+
+
+# %% [markdown]
+# ## 2.4 Quantization by hand
+#
+# Quantization maps each number to one of a few integer codes plus a little metadata (a scale), and back.
+# The four schemes of the seed notes, written out. Each function returns what would be stored; each
+# `dequantize` rebuilds an approximation. All of them are a few lines of PyTorch.
+
+# %%
+def absmax_quantize(x):
+    """Symmetric int8: one scale for the whole tensor, the largest |x| maps to 127."""
+    scale = x.abs().max() / 127
+    return torch.round(x / scale).clamp(-127, 127).to(torch.int8), scale
+
+
+def absmax_dequantize(q, scale):
+    return q.float() * scale
+
+
+def zeropoint_quantize(x):
+    """Asymmetric int8: [min, max] maps onto all 256 codes [-128, 127] via a scale and a zero point."""
+    scale = (x.max() - x.min()) / 255
+    zero = torch.round(-128 - x.min() / scale)
+    return torch.round(x / scale + zero).clamp(-128, 127).to(torch.int8), scale, zero
+
+
+def zeropoint_dequantize(q, scale, zero):
+    return (q.float() - zero) * scale
+
+
+def blockwise_quantize(x, block=64):
+    """Absmax per block of ``block`` consecutive values: an outlier only spoils its own block."""
+    flat = x.flatten()
+    blocks = F.pad(flat, (0, (-flat.numel()) % block)).view(-1, block)
+    scale = (blocks.abs().amax(dim=1, keepdim=True) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.round(blocks / scale).clamp(-127, 127).to(torch.int8), scale
+
+
+def blockwise_dequantize(q, scale, like):
+    return (q.float() * scale).flatten()[: like.numel()].view(like.shape)
+
+
+def quantile_quantize(x, n_codes=256):
+    """Equal-population bins: code k holds the k-th 1/256 of the sorted values, stored as their mean."""
+    flat = x.flatten()
+    order = flat.argsort()  # the expensive part: a full sort
+    codes = torch.empty_like(order)
+    codes[order] = torch.arange(flat.numel()) * n_codes // flat.numel()
+    table = torch.zeros(n_codes).index_reduce_(0, codes, flat, "mean", include_self=False)
+    return (codes - n_codes // 2).to(torch.int8).view(x.shape), table
+
+
+def quantile_dequantize(q, table):
+    return table[q.long() + len(table) // 2]
+
+
+# %% [markdown]
+# A fixed small array through each scheme (checked by CI against this output). Note how one large value
+# (10.0) sets the absmax scale and squeezes everything else into a few codes, and how blocks of 3 keep it in
+# its own block.
+
+# %%
+# NBVAL_CHECK_OUTPUT
+x_demo = torch.tensor([-1.5, -0.2, 0.0, 0.3, 2.0, 10.0])
+q_abs, s_abs = absmax_quantize(x_demo)
+q_zp, s_zp, z_zp = zeropoint_quantize(x_demo)
+q_blk, s_blk = blockwise_quantize(x_demo, block=3)
+demo = pd.DataFrame({
+    "x": x_demo,
+    "absmax code": q_abs, "absmax x'": absmax_dequantize(q_abs, s_abs),
+    "zero-point code": q_zp, "zero-point x'": zeropoint_dequantize(q_zp, s_zp, z_zp),
+    "block-3 code": q_blk.flatten(), "block-3 x'": blockwise_dequantize(q_blk, s_blk, x_demo),
+})
+print(demo.map(lambda v: f"{v:.4f}" if isinstance(v, float) else v).to_string())
+
+# %% [markdown]
+# Now the errors, on three kinds of data of about a million values each: (a) standard normal, (b) the same with
+# 0.1 % outliers of magnitude 50 (LLM activations and some weights have such features), (c) a weight matrix of
+# our 1.3B GPT-NeoX (its MLP input projection; the weights are freshly initialised, normal with standard
+# deviation 0.02, so (c) behaves like (a): trained weights have heavier tails). For each scheme: mean squared
+# error, worst error, how many of the 256 codes are used, and the storage per value including the metadata.
+
+# %%
+gen = torch.Generator().manual_seed(0)
+normal = torch.randn(1 << 20, generator=gen)
+outliers = normal.clone()
+where = torch.randperm(normal.numel(), generator=gen)[: normal.numel() // 1000]
+outliers[where] = 50.0 * torch.sign(torch.randn(where.numel(), generator=gen))
+weight = models.build("polyglot-ko-1.3b", head="causal-lm", num_hidden_layers=1, device="cpu").gpt_neox.layers[0].mlp.dense_h_to_4h.weight.detach()
+weight = weight.flatten()[: 1 << 20].clone()
+datasets = {"(a) normal": normal, "(b) normal + outliers": outliers, "(c) model weight": weight}
+
+
+def run_schemes(x):
+    """Quantize -> dequantize ``x`` with every scheme; return the codes and the reconstruction of each."""
+    q, s = absmax_quantize(x)
+    out = {"absmax": (q, absmax_dequantize(q, s), 1 + 4 / x.numel())}
+    q, s, z = zeropoint_quantize(x)
+    out["zero-point"] = (q, zeropoint_dequantize(q, s, z), 1 + 8 / x.numel())
+    q, s = blockwise_quantize(x, 64)
+    out["block-wise, 64"] = (q, blockwise_dequantize(q, s, x), 1 + 4 / 64)
+    q, t = quantile_quantize(x)
+    out["quantile"] = (q, quantile_dequantize(q, t), 1 + 4 * 256 / x.numel())
+    return out
+
+
+err_rows, codes_seen = [], {}
+for data_name, x in datasets.items():
+    for scheme, (q, x_hat, bytes_per_value) in run_schemes(x).items():
+        err = (x_hat - x).abs()
+        err_rows.append({"data": data_name, "scheme": scheme, "MSE": (err**2).mean().item(),
+                         "max error": err.max().item(), "codes used (of 256)": q.unique().numel(),
+                         "bytes per value": bytes_per_value})
+        codes_seen[(data_name, scheme)] = q
+errors = pd.DataFrame(err_rows).set_index(["data", "scheme"])
+errors
+
+# %% [markdown]
+# And what each costs to compute, timed on the CPU (where these tensors live) for the normal data:
+
+# %%
+quantizers = {"absmax": absmax_quantize, "zero-point": zeropoint_quantize, "block-wise, 64": blockwise_quantize,
+              "quantile": quantile_quantize}
+quantize_ms = pd.Series({name: 1e3 * measure.time_fn(lambda f=f: f(normal), device="cpu", warmup=1, repeat=3).median_s
+                         for name, f in quantizers.items()}, name="quantize time (ms), 2**20 values, CPU")
+glue("quantile_slowdown", quantize_ms["quantile"] / quantize_ms["absmax"])
+quantize_ms
+
+# %% [markdown]
+# Each scheme's promise, as assertions: absmax and block-wise absmax are never off by more than half a step
+# of their scale (plus float32 rounding, allowed as 1/10,000 of a step); zero-point likewise inside its range; quantile quantization uses every code. And the lesson
+# of the seed notes, as an assertion too: with outliers, block-wise quantization is far more accurate than one
+# scale for the whole tensor.
+
+# %%
+x = outliers
+q, s = absmax_quantize(x)
+assert (absmax_dequantize(q, s) - x).abs().max() <= s * (0.5 + 1e-4)  # half a step, plus float rounding
+q, s, z = zeropoint_quantize(x)
+assert (zeropoint_dequantize(q, s, z) - x).abs().max() <= s * (0.5 + 1e-4)
+q, s = blockwise_quantize(x, 64)
+per_block_err = (blockwise_dequantize(q, s, x) - x).abs().flatten()
+per_block_err = F.pad(per_block_err, (0, (-x.numel()) % 64)).view(-1, 64).amax(dim=1)
+assert (per_block_err <= s.squeeze(1) * (0.5 + 1e-4)).all()
+assert errors.loc[("(b) normal + outliers", "quantile"), "codes used (of 256)"] == 256
+mse = errors["MSE"]
+assert mse[("(b) normal + outliers", "block-wise, 64")] < mse[("(b) normal + outliers", "absmax")] / 10
+glue("mse_ratio_outliers", mse[("(b) normal + outliers", "absmax")] / mse[("(b) normal + outliers", "block-wise, 64")])
+glue("codes_absmax_outliers", int(errors.loc[("(b) normal + outliers", "absmax"), "codes used (of 256)"]))
+glue("codes_absmax_normal", int(errors.loc[("(a) normal", "absmax"), "codes used (of 256)"]))
+glue("codes_block_outliers", int(errors.loc[("(b) normal + outliers", "block-wise, 64"), "codes used (of 256)"]))
+glue("mse_quantile_normal", mse[("(a) normal", "quantile")])
+glue("mse_absmax_normal", mse[("(a) normal", "absmax")])
+glue("maxerr_quantile_outliers", errors.loc[("(b) normal + outliers", "quantile"), "max error"])
+print("all quantizer checks passed")
+
+# %% [markdown]
+# The codes each scheme actually uses, as histograms (log scale): this is the seed notes' "wasted codes"
+# argument, counted.
+
+# %%
+fig, axes = plt.subplots(1, 4, figsize=(12, 3), sharey=True)
+for ax, (data_name, scheme) in zip(axes, [("(a) normal", "absmax"), ("(b) normal + outliers", "absmax"),
+                                          ("(b) normal + outliers", "block-wise, 64"),
+                                          ("(b) normal + outliers", "quantile")], strict=True):
+    ax.hist(codes_seen[(data_name, scheme)].flatten().float().numpy(), bins=256, range=(-128, 128), log=True)
+    ax.set_title(f"{scheme}\n{data_name}", fontsize=9)
+    ax.set_xlabel("int8 code")
+axes[0].set_ylabel("values per code")
+fig.suptitle("Outliers make absmax waste codes; blocks and quantiles use them all", y=1.02)
+fig.tight_layout()
+
+# %% [markdown]
+# On normal data absmax uses {glue:text}`codes_absmax_normal` of the 256 codes: the largest of a million
+# normal values sits near 5 standard deviations, so most values crowd the middle codes. With outliers it uses
+# only {glue:text}`codes_absmax_outliers`: one value of 50 sets the scale, and the normal bulk collapses into
+# a handful of codes around zero. Block-wise quantization with blocks of 64 uses
+# {glue:text}`codes_block_outliers` codes and cuts the mean squared error by a factor of
+# {glue:text}`mse_ratio_outliers:,.0f`, for 4 extra bytes per 64 values.
+#
+# Quantile quantization uses every code, as the seed notes promise, and yet its error is the *worst* of the
+# four: on normal data its mean squared error is {glue:text}`mse_quantile_normal:.1e` against absmax's
+# {glue:text}`mse_absmax_normal:.1e`. Equal-population bins are narrow where the data is dense and very wide in
+# the tails, and a bin reconstructs all its values as one number. With outliers it is worse: the top and
+# bottom bins mix the values of 50 with the largest normal values, and both are reconstructed badly (worst error
+# {glue:text}`maxerr_quantile_outliers:.1f`). Using every code is not the same as using them well: the argument
+# counts codes, the error counts distances. Quantile quantization is also
+# {glue:text}`quantile_slowdown:.0f` times slower than absmax here (a full sort) and stores a 256-entry table
+# per tensor. NF4, below, keeps the good half of the idea: fixed levels at the quantiles of a *normal*
+# distribution, combined with block-wise absmax scaling.
+#
+# How large should the blocks be? Smaller blocks isolate outliers better but store more scales:
+
+# %%
+block_rows = []
+for block in [16, 32, 64, 128, 256, 1024, 4096, 1 << 16, outliers.numel()]:
+    q, s = blockwise_quantize(outliers, block)
+    block_rows.append({"block": block, "MSE": ((blockwise_dequantize(q, s, outliers) - outliers) ** 2).mean().item(),
+                       "metadata bytes per value": 4 / block})
+blocks = pd.DataFrame(block_rows)
+fig, ax = plt.subplots()
+ax.plot(blocks.block, blocks.MSE, "o-", label="MSE (left)")
+ax.set_xscale("log", base=2)
+ax.set_yscale("log")
+ax.set_xlabel("block size (values per scale)")
+ax.set_ylabel("mean squared error")
+ax2 = ax.twinx()
+ax2.plot(blocks.block, blocks["metadata bytes per value"], "s--", color="grey", label="scale bytes per value (right)")
+ax2.set_yscale("log")
+ax2.set_ylabel("bytes of scales per value")
+ax2.grid(False)
+fig.legend(loc="center right", bbox_to_anchor=(0.85, 0.45))
+ax.set_title("Block-wise absmax on data with outliers: error vs metadata")
+fig.tight_layout()
+blocks
+
+# %% [markdown]
+# bitsandbytes uses blocks of 64 for 4-bit weights and 256 for 8-bit optimizer states: a few percent
+# of metadata for most of the accuracy. The last point of the plot is one block for the whole tensor, plain
+# absmax.
+#
+# ## 2.5 The production versions: bitsandbytes
+#
+# **LLM.int8()** {cite:p}`dettmers2022llmint8` stores weights in int8 with one absmax scale per output row
+# and, at run time, splits the input: the few feature columns with values above a threshold (6.0 by default)
+# are multiplied in 16 bits, the rest in int8 with per-token scales. **NF4** {cite:p}`dettmers2023qlora`
+# stores 4-bit codes whose 16 levels are quantiles of a normal distribution (so they suit normally distributed
+# weights), with an fp32 absmax per block of 64; **double quantization** quantizes those absmax values
+# themselves to 8 bits, in blocks of 256. **FP4** is a plain 4-bit float. We build each from the same bf16
+# weight matrix at a realistic shape, and compare storage, output error against the bf16 layer, and speed.
+
+# %%
+d_in = d_out = prof.pick(tiny=256, full=4096)
+tokens = prof.pick(tiny=64, full=4096)
+torch.manual_seed(0)
+reference = torch.nn.Linear(d_in, d_out, bias=False, dtype=torch.bfloat16)
+x_in = torch.randn(tokens, d_in, dtype=torch.bfloat16, device=prof.device)
+
+
+def int8_layer(threshold):
+    layer = bnb.nn.Linear8bitLt(d_in, d_out, bias=False, has_fp16_weights=False, threshold=threshold)
+    layer.load_state_dict(reference.state_dict())
+    return layer.to(prof.device)  # quantized on the move to the device
+
+
+def four_bit_layer(quant_type, double_quant):
+    layer = bnb.nn.Linear4bit(d_in, d_out, bias=False, compute_dtype=torch.bfloat16, quant_type=quant_type,
+                              compress_statistics=double_quant)
+    layer.weight = bnb.nn.Params4bit(reference.weight.data.clone(), requires_grad=False, quant_type=quant_type,
+                                     compress_statistics=double_quant)
+    return layer.to(prof.device)
+
+
+SCALED = ("weight", "weight.absmax", "weight.nested_absmax", "SCB")  # entries that grow with the weight
+
+
+def stored_bytes(layer):
+    """What the layer saves: (codes and scales, which grow with the weight; fixed-size tables and state)."""
+    entries = {k: t.numel() * t.element_size() for k, t in layer.state_dict().items() if torch.is_tensor(t)}
+    return (sum(v for k, v in entries.items() if k in SCALED), sum(v for k, v in entries.items() if k not in SCALED))
+
+
+layers = {
+    "bf16": reference.to(prof.device),
+    "LLM.int8(), threshold 6": int8_layer(6.0),
+    "NF4": four_bit_layer("nf4", False),
+    "NF4 + double quant": four_bit_layer("nf4", True),
+    "FP4": four_bit_layer("fp4", False),
+}
+with torch.no_grad():
+    y_ref = layers["bf16"](x_in).float()
+    layer_rows = {}
+    for name, layer in layers.items():
+        y = layer(x_in).float()
+        scaled, fixed = stored_bytes(layer)
+        layer_rows[name] = {"bits per weight (codes + scales)": 8 * scaled / (d_in * d_out),
+                            "fixed tables (bytes)": fixed,
+                            "relative output error": ((y - y_ref).norm() / y_ref.norm()).item()}
+layer_table = pd.DataFrame(layer_rows).T
+layer_table
+
+# %% [markdown]
+# Storage matches the papers' accounting: int8 is one byte plus an fp32 scale per row; NF4 is half a byte plus
+# an fp32 absmax per 64 weights, $32/64 = 0.5$ extra bits per weight, which double quantization brings down to
+# $8/64 + 32/(64 \cdot 256) \approx 0.127$ bits, the QLoRA paper's number. On top come a few fixed tables per
+# tensor (NF4's 16 levels, the 256-entry map of the double quantization, the serialized state): bytes, not
+# bits per weight. We assert the per-weight parts:
+
+# %%
+bits = layer_table["bits per weight (codes + scales)"]
+assert abs(bits["NF4"] - (4 + 32 / 64)) < 1e-3, bits["NF4"]
+assert abs(bits["NF4 + double quant"] - (4 + 8 / 64 + 32 / (64 * 256))) < 1e-3, bits["NF4 + double quant"]
+assert abs(bits["LLM.int8(), threshold 6"] - (8 + 32 / d_in)) < 1e-3, bits["LLM.int8(), threshold 6"]
+glue("nf4_bits", bits["NF4"])
+glue("nf4_dq_bits", bits["NF4 + double quant"])
+glue("err_int8", layer_table.loc["LLM.int8(), threshold 6", "relative output error"])
+glue("err_nf4", layer_table.loc["NF4", "relative output error"])
+glue("err_fp4", layer_table.loc["FP4", "relative output error"])
+print("storage matches the formulas")
+
+# %% [markdown]
+# The relative output error against the bf16 layer is {glue:text}`err_int8:.4f` for LLM.int8(),
+# {glue:text}`err_nf4:.3f` for NF4 and {glue:text}`err_fp4:.3f` for FP4 on these normally distributed weights:
+# 16 well-placed levels beat 16 evenly spread ones, as the QLoRA paper argues.
+#
+# LLM.int8()'s threshold matters when the *input* has outlier features. We give 4 of the input's features a
+# magnitude of 20 (as large models develop) and compare the threshold 6.0 (outlier columns in 16 bits) with
+# threshold 0 (everything in int8):
+
+# %%
+x_out = x_in.clone()
+x_out[:, :4] *= 20
+with torch.no_grad():
+    y_ref_out = layers["bf16"](x_out).float()
+    outlier_err = {f"threshold {t}": ((int8_layer(t)(x_out).float() - y_ref_out).norm() / y_ref_out.norm()).item()
+                   for t in (0.0, 6.0)}
+glue("int8_err_t0", outlier_err["threshold 0.0"])
+glue("int8_err_t6", outlier_err["threshold 6.0"])
+pd.Series(outlier_err, name="relative output error with outlier features")
+
+# %% [markdown]
+# With every feature in int8 (threshold 0) the outliers stretch the per-token scales and the error grows to
+# {glue:text}`int8_err_t0:.3f`; with the default threshold the four outlier columns go through a 16-bit
+# product and the error stays at {glue:text}`int8_err_t6:.4f`. (On a CPU, bitsandbytes' int8 path does not
+# decompose, and the two rows are equal.)
+
+# %% [markdown]
+# Speed is the other side of the bargain. On a GPU we time a forward pass of each layer at this shape
+# ({glue:text}`tokens_n:,d` tokens x {glue:text}`dim_n:,d` features):
+
+# %%
+glue("tokens_n", tokens)
+glue("dim_n", d_in)
+if profiles.cuda_or_skip("kernel timings are only meaningful on the GPU"):
+    speed = {}
+    with torch.no_grad():
+        for name, layer in layers.items():
+            speed[name] = measure.time_fn(lambda layer=layer: layer(x_in), device="cuda", warmup=3, repeat=20).median_s
+    speed = pd.Series(speed, name="forward time (ms)") * 1e3
+    glue("slow_int8", speed["LLM.int8(), threshold 6"] / speed["bf16"])
+    glue("slow_nf4", speed["NF4"] / speed["bf16"])
+    display(pd.DataFrame({"forward time (ms)": speed, "x bf16's time": speed / speed["bf16"]}))
+
+# %% [markdown]
+# At this shape LLM.int8() takes {glue:text}`slow_int8:.1f` times and NF4 {glue:text}`slow_nf4:.1f` times
+# as long as bf16. Quantized layers save memory, not time: the 4-bit weights are dequantized to bf16 before
+# a regular matrix product (for many tokens), and LLM.int8() pays for its outlier decomposition and scaling.
+# Where the weights are read once per token (generation with a small batch), memory bandwidth dominates and
+# the smaller weights can win; training and prefill are not that case.
+#
+# **A whole model.** The real `from_pretrained` path: we save the 1.3B GPT-NeoX in bf16 to a local folder and
+# load it three ways, in bf16, in 8 bits and in 4-bit NF4 with double quantization, through transformers'
+# `BitsAndBytesConfig`. For each: memory, bytes per parameter, and how far its logits are from bf16's.
+
+# %%
+checkpoint = models.save_checkpoint(models.build("polyglot-ko-1.3b", head="causal-lm", dtype=torch.bfloat16),
+                                    tempfile.mkdtemp(prefix="ckpt_polyglot_"))
+cleanup.free(globals())
+configs = {
+    "bf16": None,
+    "int8 (LLM.int8())": BitsAndBytesConfig(load_in_8bit=True),
+    "4-bit NF4 + double quant": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                   bnb_4bit_use_double_quant=True,
+                                                   bnb_4bit_compute_dtype=torch.bfloat16),
+}
+probe = torch.randint(100, 30000, (2, 128), generator=torch.Generator().manual_seed(1)).to(prof.device)
+whole, logits = {}, {}
+for name, qconfig in configs.items():
+    before = torch.cuda.memory_allocated() if prof.on_gpu else 0
+    qmodel = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16, quantization_config=qconfig,
+                                                  device_map=prof.device)
+    n_total = models.n_params(models.build("polyglot-ko-1.3b", head="causal-lm", device="meta"))
+    row = {"get_memory_footprint (GiB)": qmodel.get_memory_footprint() / GIB}
+    if prof.on_gpu:
+        row["allocated (GiB)"] = (torch.cuda.memory_allocated() - before) / GIB
+    row["bytes per parameter"] = row.get("allocated (GiB)", row["get_memory_footprint (GiB)"]) * GIB / n_total
+    with torch.no_grad():
+        logits[name] = qmodel(probe).logits.float()
+    whole[name] = row
+    del qmodel
+    cleanup.free(globals())
+whole = pd.DataFrame(whole).T
+for name in configs:
+    whole.loc[name, "logits: relative difference from bf16"] = ((logits[name] - logits["bf16"]).norm() / logits["bf16"].norm()).item()
+    whole.loc[name, "same top-1 token as bf16"] = (logits[name].argmax(-1) == logits["bf16"].argmax(-1)).float().mean().item()
+whole
+
+# %% [markdown]
+# Not every parameter is quantized: transformers keeps the embeddings, the output head and the layer norms in
+# bf16 (the head and embeddings are large, but quantizing them hurts quality most). So the expected size is
+# the linear layers' weights at 1 or ~0.52 bytes plus the rest at 2 bytes:
+
+# %%
+meta = models.build("polyglot-ko-1.3b", head="causal-lm", device="meta")
+head = meta.get_output_embeddings()
+linear_params = sum(m.weight.numel() for m in meta.modules() if isinstance(m, torch.nn.Linear) and m is not head)
+other_params = models.n_params(meta) - linear_params
+nf4_dq_bytes = (4 + 8 / 64 + 32 / (64 * 256)) / 8
+expected = {
+    "bf16": (linear_params + other_params) * 2,
+    "int8 (LLM.int8())": linear_params * 1 + other_params * 2,
+    "4-bit NF4 + double quant": linear_params * nf4_dq_bytes + other_params * 2,
+}
+whole["expected (GiB)"] = pd.Series(expected) / GIB
+if prof.is_full and prof.on_gpu:
+    glue("whole_bf16_gib", whole.loc["bf16", "allocated (GiB)"])
+    glue("whole_int8_gib", whole.loc["int8 (LLM.int8())", "allocated (GiB)"])
+    glue("whole_nf4_gib", whole.loc["4-bit NF4 + double quant", "allocated (GiB)"])
+    glue("whole_nf4_footprint_gib", whole.loc["4-bit NF4 + double quant", "get_memory_footprint (GiB)"])
+    glue("whole_nf4_expected_gib", whole.loc["4-bit NF4 + double quant", "expected (GiB)"])
+    glue("whole_nf4_bpp", whole.loc["4-bit NF4 + double quant", "bytes per parameter"])
+    glue("whole_int8_bpp", whole.loc["int8 (LLM.int8())", "bytes per parameter"])
+    glue("linear_share", linear_params / models.n_params(meta))
+    glue("whole_int8_logit_err", whole.loc["int8 (LLM.int8())", "logits: relative difference from bf16"])
+    glue("whole_nf4_logit_err", whole.loc["4-bit NF4 + double quant", "logits: relative difference from bf16"])
+whole[[c for c in ["allocated (GiB)", "expected (GiB)", "get_memory_footprint (GiB)", "bytes per parameter"] if c in whole]]
+
+# %% [markdown]
+# Measured by the allocator, the model shrinks from {glue:text}`whole_bf16_gib:.2f` GiB to
+# {glue:text}`whole_int8_gib:.2f` GiB in 8 bits and {glue:text}`whole_nf4_gib:.2f` GiB in 4 bits, as predicted:
+# {glue:text}`whole_int8_bpp:.2f` and {glue:text}`whole_nf4_bpp:.2f` bytes per parameter, not the ideal 1 and 0.5,
+# because only {glue:text}`linear_share:.0%` of this model's parameters sit in quantized linear layers; its two
+# 30,080 x 2048 embedding matrices stay in bf16. Larger models have a larger linear share and get closer to the
+# ideal. One trap: transformers' `get_memory_footprint()` reports {glue:text}`whole_nf4_footprint_gib:.3f` GiB
+# for the 4-bit model, less than the {glue:text}`whole_nf4_expected_gib:.3f` GiB it occupies, because it adds up
+# parameters and buffers and the 4-bit layers keep their block statistics (absmax values) outside both. The
+# logits move by {glue:text}`whole_int8_logit_err:.3f` (8-bit) and {glue:text}`whole_nf4_logit_err:.3f` (4-bit)
+# relative to bf16. These weights are random, so these numbers say how much noise each format adds, not how a
+# trained model's quality changes; the QLoRA paper measures that on real models.
+
+# %% [markdown]
+# ## 2.6 A preview: 8-bit optimizer states
+#
+# The same block-wise idea shrinks AdamW's two states {cite:p}`dettmers2022optimizers`: bitsandbytes'
+# `AdamW8bit` keeps them as uint8 codes with a dynamic quantization map and a scale per block of 256 values
+# (tensors under 4096 elements keep fp32 states). We count the state bytes after one step on bert-large.
+
+# %%
+state_bytes = {}
+for name, make in [("torch.optim.AdamW", torch.optim.AdamW), ("bnb.optim.AdamW8bit", bnb.optim.AdamW8bit)]:
+    model = models.build("bert-large-uncased", head="sequence-classification")
+    optimizer = make(model.parameters(), lr=1e-5)
+    model(input_ids=ids.to(prof.device), labels=torch.tensor([0, 1, 0, 1], device=prof.device)).loss.backward()
+    optimizer.step()
+    state_bytes[name] = accounting.optimizer_state_bytes(optimizer) / models.n_params(model)
+    cleanup.free(globals(), "model", "optimizer")
+state_bytes = pd.Series(state_bytes, name="optimizer-state bytes per parameter")
+glue("adamw_bpp", state_bytes["torch.optim.AdamW"])
+glue("adamw8bit_bpp", state_bytes["bnb.optim.AdamW8bit"])
+state_bytes
+
+# %% [markdown]
+# {glue:text}`adamw_bpp:.2f` bytes per parameter for AdamW's fp32 states, {glue:text}`adamw8bit_bpp:.2f` for the
+# 8-bit version: the seed notes' 8 and 2, plus the block scales and the small tensors kept in fp32. Chapter 5
+# measures whether training converges the same way.
+
+# %% [markdown]
+# ## Summary
+#
+# - Exponent bits set the range, mantissa bits the precision: fp16 overflows at 65,504 and flushes gradients
+#   below $6 \times 10^{-8}$ to zero (hence loss scaling); bf16 has fp32's range and a coarse 8-bit
+#   significand; sums and matrix products are accumulated in fp32 for that reason.
+# - Size = parameters x bytes; "7B x 2 = 14 GB" is a safe upper bound (GB vs GiB, rounded counts).
+# - One absmax scale per tensor wastes most int8 codes when there are outliers; block-wise scales fix it for a
+#   few percent of metadata; quantile bins use every code at the price of a sort.
+# - bitsandbytes' NF4 stores 4.5 bits per weight, 4.127 with double quantization; a whole quantized model
+#   also keeps embeddings and head in 16 bits. Quantized layers cost time: they save memory, not speed.
+#
+# ## Use it in your own script
+#
+# Inspect a format and load a model in 4 bits with plain transformers and bitsandbytes (a CUDA GPU is needed for
+# the quantized load).
+#
+# ```python
+# import torch
+# from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+#
+# print(torch.finfo(torch.float16), torch.finfo(torch.bfloat16), sep="\n")
+# nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+#                          bnb_4bit_compute_dtype=torch.bfloat16)
+# model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, quantization_config=nf4)
+# print(f"{model.get_memory_footprint() / 2**30:.2f} GiB")  # load_in_8bit=True for LLM.int8()
+# ```
+#
+# ## Exercises
+#
+# Each exercise has a hint and an answer (or the range to expect) behind a click.
+#
+# 1. In section 2.4 change the outlier magnitude from 50 to 5. Which scheme's error changes most, and why?
+#
+#    <details><summary>Hint</summary>
+#
+#    An absmax scale is the largest magnitude divided by 127: the outlier sets the step between codes for every other value.
+#
+#    </details>
+#
+#    <details><summary>Answer</summary>
+#
+#    Per-tensor absmax changes most: its step shrinks about tenfold, so its mean squared error falls by up to about a hundredfold. Block-wise and quantile schemes, which were not spoiled by the outlier, change little.
+#
+#    </details>
+#
+# 2. Rerun the block-size sweep with blocks of 8. Is the extra metadata worth it?
+#
+#    <details><summary>Hint</summary>
+#
+#    Metadata per value is the bytes of one scale divided by the block size: an fp32 scale per 8 values is 0.5 bytes per value.
+#
+#    </details>
+#
+#    <details><summary>Answer</summary>
+#
+#    The error falls a little further, but the scales add 0.5 bytes to every 1-byte value (against about 0.06 at 64): rarely worth it, which is why bitsandbytes uses blocks of 64 or more.
+#
+#    </details>
+#
+# 3. Add fp8 to the matrix-product comparison: round `A64` and `B64` to `torch.float8_e4m3fn` and back to
+#    bf16 before multiplying. Expect an error near $2^{-3}$.
+#
+#    <details><summary>Hint</summary>
+#
+#    e4m3 keeps 3 mantissa bits: each element's relative rounding error is up to $2^{-4}$; in a dot product the errors partly cancel.
+#
+#    </details>
+#
+#    <details><summary>Answer</summary>
+#
+#    A relative error of a few percent up to about $2^{-3}$, an order of magnitude or more above the bf16 row of the same comparison.
+#
+#    </details>
+#
+# 4. In section 2.5, give 16 input features the outlier magnitude instead of 4, and try thresholds 3 and 10.
+#
+#    <details><summary>Hint</summary>
+#
+#    LLM.int8() sends every input column that holds a value above the threshold through a 16-bit product and quantizes the rest.
+#
+#    </details>
+#
+#    <details><summary>Answer</summary>
+#
+#    With the threshold below the outlier magnitude, all 16 outlier columns take the 16-bit path and the error stays close to the 4-column case (at more 16-bit work); with a threshold above it, the outliers are quantized with everything else and the error grows sharply, as for absmax with outliers in section 2.4.
+#
+#    </details>
+#
+# ## References
+#
+# - {cite:t}`kalamkar2019bfloat16`: the bf16 format.
+# - {cite:t}`micikevicius2018mixed`: mixed precision and loss scaling.
+# - {cite:t}`dettmers2022llmint8`: LLM.int8(), vector-wise quantization and outlier decomposition.
+# - {cite:t}`dettmers2023qlora`: NF4 and double quantization.
+# - {cite:t}`dettmers2022optimizers`: 8-bit optimizers with block-wise quantization.
+# - {cite:t}`heo2024llm`, chapter 5: the seed notes' data types and quantization schemes.

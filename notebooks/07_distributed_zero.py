@@ -1,0 +1,778 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 7. Beyond one GPU: data, tensor and pipeline parallelism, ZeRO and FSDP
+#
+# Chapter 1 counted 16 bytes per parameter for training in fp32 with AdamW: weights, gradients and two
+# optimizer states. For the 1.3-billion-parameter GPT-NeoX of this book that is
+# {glue:text}`ddp_1p3b_gib:.1f` GiB before a single activation, more than a T4 holds, and the
+# 7.5-billion-parameter model of the ZeRO paper needs {glue:text}`paper_ddp_gb:.0f` GB in mixed precision.
+# When the model states no longer fit one GPU, or when one GPU is too slow, training is split over several.
+# This chapter runs the ways of splitting it, with PyTorch's own engines, on two GPUs, and holds each against
+# the arithmetic that predicts it.
+#
+# **What you will learn**
+#
+# - what data parallelism does to gradients, written as a manual all-reduce and then with
+#   `DistributedDataParallel`, and checked against one process on the whole batch;
+# - how tensor parallelism splits a matrix product by columns and by rows, an MLP block and attention by
+#   heads, and what each split must communicate; how pipeline parallelism leaves GPUs idle (the bubble);
+# - the ZeRO formula for per-GPU memory of model states ({cite:t}`rajbhandari2020zero`), reproducing the
+#   paper's 7.5B example;
+# - ZeRO for real: the same model trained under DDP, `ZeroRedundancyOptimizer` (ZeRO-1) and FSDP
+#   (ZeRO-2-like and ZeRO-3), launched with `torchrun`, measured per rank, and compared with the formula;
+# - the same through `accelerate launch` with an FSDP config, without changing the training script.
+#
+# **Prerequisites:** chapter 1 (the 16 bytes per parameter). The numbers quoted in the text come from the
+# machine in the first output below (two GPUs, NCCL). On a CPU the notebook runs the same scripts as two
+# processes that talk through the `gloo` backend, with the tiny twin of the model, in about a minute. The
+# full profile needs GPUs larger than a T4, since on one GPU the fp32 model states alone take
+# {glue:text}`ddp_1p3b_gib:.1f` GiB; on a single T4, run the tiny profile (`GPUBOOK_PROFILE=tiny`).
+
+# %%
+import sys
+
+if "google.colab" in sys.modules:  # Colab: this chapter launches scripts from the repository, so clone it
+    # !git clone -q --depth 1 https://github.com/gpu-efficient-training/book /content/book
+    # %pip install -q -e /content/book
+    # %cd /content/book/notebooks
+
+from helpers import env
+
+env.quiet()  # warnings without file paths, no progress bars: outputs that read the same everywhere
+
+import importlib.util
+import inspect
+import math
+import shutil
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from IPython.display import Code
+
+from helpers import estimates, launching, models, plots, profiles
+from helpers.glue import glue
+from helpers.measure import GIB, MIB, T4_MEMORY_GIB
+
+plots.use_style()
+pd.options.display.float_format = "{:,.2f}".format
+prof = profiles.get()
+SCRIPTS = Path("scripts")  # the launched scripts, next to this notebook
+WORK = Path("trainer_tmp_ch7")  # the launched processes write their results here; removed at the end
+env.report(prof)
+
+# %% [markdown]
+# ## 7.1 Data parallelism: every GPU a replica, gradients averaged
+#
+# In data parallelism each of $N$ processes (one per GPU, called *ranks*; $N$ is the *world size*) holds a
+# full copy of the model and takes $1/N$ of every batch. Each computes the loss of its share and its
+# gradients; then the gradients are averaged over the ranks with an **all-reduce** (every rank sends its
+# gradients and receives the sum), and every rank takes the same optimizer step, so the replicas stay
+# identical. Why is the average right? The loss is a mean over the tokens of the batch. With equal shares,
+# the mean of the $N$ shares' means is the mean over the whole batch, and a gradient is linear in the loss:
+# the averaged gradient *is* the gradient of the whole batch.
+#
+# The launched script `scripts/ddp_grads.py` does this twice: by hand, with `torch.distributed.all_reduce` on
+# every parameter's gradient, and with `DistributedDataParallel` (DDP), which does the same all-reduce in
+# buckets of gradients while the backward pass is still running. Its two key functions:
+
+# %%
+grads_script = launching.load_script(SCRIPTS / "ddp_grads.py")  # import it, to show and reuse its code
+Code(inspect.getsource(grads_script.manual_allreduce) + "\n\n" + inspect.getsource(grads_script.with_ddp),
+     language="python")
+
+# %% [markdown]
+# `torchrun` starts the processes: it gives each one its `RANK`, `LOCAL_RANK` and `WORLD_SIZE` in the
+# environment and a rendezvous point where they find each other; `torch.distributed.init_process_group` then
+# connects them, with NCCL between GPUs or gloo between CPU processes. `launching.run` launches the command
+# shown, with the environment of this notebook (plus three settings that keep NCCL off NVLink multicast), and
+# waits for it. The model is the tiny GPT-NeoX twin in float64 on every machine: correctness does not depend
+# on the size, and float64 keeps rounding far below the tolerance of the check.
+
+# %%
+n_dev = torch.cuda.device_count() if prof.on_gpu else 2  # GPUs here, or CPU processes in the tiny profile
+shutil.rmtree(WORK, ignore_errors=True)
+launch = launching.torchrun(SCRIPTS / "ddp_grads.py", 2, ["--out", WORK / "grads"])
+print(launch.text)
+if n_dev >= 2:
+    done = launching.run(launch)
+    print(f"finished in {done.seconds:.0f} s")
+else:
+    print(f"skipped: data parallelism needs 2 processes, one per GPU; this machine has {n_dev} GPU")
+
+# %% [markdown]
+# Now the reference: one process, the whole global batch, the same loss function, no communication. Each
+# rank saved three sets of gradients: its own shard's alone (`local`), after the manual all-reduce
+# (`manual`) and under DDP (`ddp`). The first two checks are the equivalences; the third shows the check can
+# fail: a rank's gradient on its own shard is *not* the full batch's.
+
+# %%
+ref_model = grads_script.build(prof.device)
+grads_script.lm_loss(ref_model, grads_script.global_batch().to(prof.device)).backward()
+reference = grads_script.grads(ref_model)
+
+
+def max_rel_diff(got, want):
+    """Largest |difference| over all gradients, relative to the largest |gradient| of that tensor."""
+    return max(((got[k] - want[k]).abs().max() / want[k].abs().max()).item() for k in want)
+
+
+ranks = [torch.load(p) for p in sorted((WORK / "grads").glob("grads_rank*.pt"))] if n_dev >= 2 else []
+tol = dict(rtol=1e-9, atol=1e-12)  # float64: a factor ~1e6 above rounding, far below any real error
+for r in ranks:
+    for name in reference:
+        torch.testing.assert_close(r["manual"][name], reference[name], **tol)
+        torch.testing.assert_close(r["ddp"][name], reference[name], **tol)
+    assert max_rel_diff(r["local"], reference) > 1e-3, "one shard alone should not give the batch's gradient"
+dp_check = pd.DataFrame(
+    {v: [max_rel_diff(r[v], reference) for r in ranks] for v in ("manual", "ddp", "local")},
+    index=pd.Index([r["rank"] for r in ranks], name="rank"),
+).rename(columns=lambda v: f"{v}: max relative difference")
+if prof.is_full and prof.on_gpu and ranks:
+    glue("dp_max_rel_diff", dp_check.iloc[:, :2].to_numpy().max())
+    glue("dp_local_rel_diff", dp_check.iloc[:, 2].min())
+dp_check.map("{:.1e}".format)
+
+# %% [markdown]
+# Both data-parallel gradients match the single process's on every rank: the largest difference is
+# {glue:text}`dp_max_rel_diff:.1e` of a tensor's largest gradient, which is float64 rounding (the sums run in a
+# different order). A rank's own shard alone misses by {glue:text}`dp_local_rel_diff:.0%` or more. The
+# all-reduce moves one gradient per parameter per step. The manual loop starts it after the backward pass has
+# finished; DDP starts each bucket's all-reduce as soon as its gradients are ready, while the backward pass
+# goes on with earlier layers.
+
+# %% [markdown]
+# ## 7.2 Tensor parallelism by hand: splitting the matrix products
+#
+# Data parallelism copies the model. Model parallelism splits it: **tensor parallelism** splits each layer's
+# weight matrices over GPUs ({cite:t}`shoeybi2019megatron`, Megatron-LM), **pipeline parallelism** gives
+# each GPU a range of layers. A matrix product $Y = XA$ can be split two ways:
+#
+# - by **columns**: $A = [A_1, A_2]$, so $Y = [XA_1, XA_2]$. Each GPU needs all of $X$ and produces a slice of
+#   $Y$'s columns;
+# - by **rows**: $A = \begin{bmatrix} A_1 \\ A_2 \end{bmatrix}$ and $X = [X_1, X_2]$, so $Y = X_1A_1 + X_2A_2$.
+#   Each GPU produces a partial sum of the whole $Y$, and an all-reduce adds them.
+#
+# Two "GPUs" here are two halves of the weights in one process; the sums are what an all-reduce would compute.
+
+# %%
+gen = torch.Generator().manual_seed(0)
+X = torch.randn(8, 64, generator=gen)  # 8 tokens, hidden size 64
+A = torch.randn(64, 256, generator=gen)
+Y = X @ A
+A1, A2 = A.chunk(2, dim=1)  # column split: each GPU owns half of the output features
+torch.testing.assert_close(torch.cat([X @ A1, X @ A2], dim=1), Y)
+A1, A2 = A.chunk(2, dim=0)  # row split: each GPU owns half of the input features ...
+X1, X2 = X.chunk(2, dim=1)  # ... and the matching half of X
+torch.testing.assert_close(X1 @ A1 + X2 @ A2, Y)  # the sum is the all-reduce
+print("column split and row split both equal the unsplit product (float32, default tolerances)")
+
+# %% [markdown]
+# A transformer's MLP block is two products with an element-wise activation between them:
+# $\mathrm{GeLU}(XA)\,B$. Megatron-LM splits $A$ by columns and $B$ by rows. Each GPU then holds whole columns
+# of $XA$, so it can apply the GeLU to its slice on its own (an element-wise function needs no neighbours),
+# and its slice is exactly the row-slice of the input that its half of $B$ needs: **one all-reduce** at the
+# end, and the bias of the second layer is added once, after it. We split the first MLP block of the tiny
+# GPT-NeoX this way (`nn.Linear` stores its weight as output x input features, so "columns of $A$" are rows
+# of `weight`).
+
+# %%
+tiny = models.build("polyglot-ko-1.3b", profile="tiny", head="causal-lm", device="cpu")
+mlp = tiny.gpt_neox.layers[0].mlp  # dense_h_to_4h -> GeLU -> dense_4h_to_h
+x = torch.randn(2, 16, tiny.config.hidden_size, generator=gen)
+with torch.no_grad():
+    full = mlp(x)
+    up_w, up_b = mlp.dense_h_to_4h.weight.chunk(2, dim=0), mlp.dense_h_to_4h.bias.chunk(2)
+    down_w = mlp.dense_4h_to_h.weight.chunk(2, dim=1)
+    partial = [F.linear(mlp.act(F.linear(x, up_w[g], up_b[g])), down_w[g]) for g in range(2)]  # per GPU
+    split = sum(partial) + mlp.dense_4h_to_h.bias  # all-reduce, then the bias once
+torch.testing.assert_close(split, full)
+print(f"MLP block split over 2: {tuple(up_w[0].shape)} and {tuple(down_w[0].shape)} weights per GPU, "
+      "one all-reduce; equals the unsplit block")
+
+
+# %% [markdown]
+# Attention splits the same way, by heads. The query, key and value projections are split by columns, a
+# group of whole heads per GPU, so each GPU computes its heads' attention with no communication at all; the
+# output projection is split by rows, and one all-reduce adds the partial outputs. A plain causal multi-head
+# attention (the rotary embeddings of GPT-NeoX act within each head and change nothing here):
+
+# %%
+def attention(x, wq, wk, wv, wo, n_heads):
+    """Causal multi-head attention; w* are (hidden, width) matrices, ``width`` = heads x head size."""
+    b, s, _ = x.shape
+    q, k, v = (t.view(b, s, n_heads, -1).transpose(1, 2) for t in (x @ wq, x @ wk, x @ wv))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (b, heads, s, head size)
+    return out.transpose(1, 2).reshape(b, s, -1) @ wo
+
+
+h, heads = 64, 8
+x = torch.randn(2, 16, h, generator=gen)
+wq, wk, wv = (torch.randn(h, h, generator=gen) / h**0.5 for _ in range(3))
+wo = torch.randn(h, h, generator=gen) / h**0.5
+full = attention(x, wq, wk, wv, wo, heads)
+cols = [w.chunk(2, dim=1) for w in (wq, wk, wv)]  # columns = heads 0-3 | heads 4-7
+rows = wo.chunk(2, dim=0)
+split = sum(attention(x, cols[0][g], cols[1][g], cols[2][g], rows[g], heads // 2) for g in range(2))
+torch.testing.assert_close(split, full)
+print(f"attention with {heads} heads split over 2 GPUs ({heads // 2} heads each), one all-reduce; "
+      "equals the unsplit attention")
+
+# %% [markdown]
+# **What it costs.** A tensor-parallel transformer layer all-reduces its $b \times s \times h$ output twice in
+# the forward pass (after attention and after the MLP) and twice in the backward pass (the gradients with
+# respect to the inputs), every layer, every step. Data parallelism all-reduces each gradient once per step.
+# For this book's 1.3B model at batch 4, sequence 256, with 16-bit activations and fp32 gradients:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# (arithmetic on the model's configuration: the same everywhere; printed as text, identical across pandas versions)
+cfg = models.config("polyglot-ko-1.3b", profile="full")
+n_full = models.n_params(models.build("polyglot-ko-1.3b", profile="full", head="causal-lm", device="meta"))
+b, s = 4, 256
+tp_bytes_layer = 4 * b * s * cfg.hidden_size * 2  # 2 forward + 2 backward all-reduces, bf16
+comm = pd.DataFrame({
+    "what is all-reduced": ["activations, per layer", "activations, whole model", "fp32 gradients, once"],
+    "per step (MiB)": [tp_bytes_layer / MIB, tp_bytes_layer * cfg.num_hidden_layers / MIB, 4 * n_full / MIB],
+}, index=["tensor parallel", "tensor parallel", "data parallel"])
+glue("tp_layer_mib", tp_bytes_layer / MIB)
+glue("tp_model_mib", tp_bytes_layer * cfg.num_hidden_layers / MIB)
+glue("dp_grads_mib", 4 * n_full / MIB)
+glue("tp_messages", 4 * cfg.num_hidden_layers)
+glue("ddp_1p3b_gib", 16 * n_full / GIB)
+print(comm.to_string(float_format="{:,.2f}".format))
+
+
+# %% [markdown]
+# Tensor parallelism sends less here ({glue:text}`tp_model_mib:,.0f` MiB against
+# {glue:text}`dp_grads_mib:,.0f` MiB), but as {glue:text}`tp_messages` all-reduces per step that sit
+# *between* the layers' computations: every layer waits for its messages. Gradient all-reduces can overlap with
+# the rest of the backward pass. That is why tensor parallelism is kept inside one machine, on NVLink, and data
+# parallelism goes between machines ({cite:p}`narayanan2021efficient`).
+#
+# **Pipeline parallelism** gives each of $p$ GPUs a consecutive range of layers (a *stage*). Activations flow
+# forward from stage to stage and gradients flow back: the communication is small, one activation tensor per
+# stage boundary. The cost is idle time. With one batch, stage 2 waits for stage 1's forward, and stage 1 for
+# stage 2's backward. GPipe ({cite:t}`huang2019gpipe`) cuts the batch into $m$ *micro-batches* that follow
+# each other through the pipeline. The schedule below is computed, not measured: each stage runs its tasks in
+# order (all forwards, then all backwards), each as soon as its input is ready, with a backward taking twice
+# as long as a forward (chapter 1).
+
+# %%
+def gpipe_schedule(p, m, t_f=1.0, t_b=2.0):
+    """Start and end of every forward (F) and backward (B) of m micro-batches on p stages."""
+    end, rows = {}, []
+    for i in range(p):  # forwards: stage i, micro-batch j after stage i-1 and after its own j-1
+        for j in range(m):
+            start = max(end.get(("F", i - 1, j), 0.0), end.get(("F", i, j - 1), 0.0))
+            end["F", i, j] = start + t_f
+            rows.append(("F", i, j, start, start + t_f))
+    for i in reversed(range(p)):  # backwards: from the last stage to the first
+        for j in range(m):
+            ready = end["F", p - 1, m - 1] if i == p - 1 else end["B", i + 1, j]
+            start = max(ready, end.get(("B", i, j - 1), end["F", i, m - 1]))
+            end["B", i, j] = start + t_b
+            rows.append(("B", i, j, start, start + t_b))
+    return pd.DataFrame(rows, columns=["kind", "stage", "micro", "start", "end"])
+
+
+def bubble(schedule, p):
+    """Fraction of the p stages' time spent idle."""
+    busy = (schedule["end"] - schedule["start"]).sum()
+    return 1 - busy / (p * schedule["end"].max())
+
+
+p = 4
+bubbles = {m: bubble(gpipe_schedule(p, m), p) for m in (1, 2, 4, 8, 16, 32)}
+for m, frac in bubbles.items():
+    assert math.isclose(frac, (p - 1) / (m + p - 1)), (m, frac)  # GPipe's bubble: (p-1)/(m+p-1)
+glue("bubble_m1", bubbles[1])
+glue("bubble_m8", bubbles[8])
+glue("bubble_m32", bubbles[32])
+
+# %% [markdown]
+# The simulated idle fraction equals GPipe's formula $(p-1)/(m+p-1)$ for every $m$ (asserted above). Drawn for
+# $p = 4$ stages:
+
+# %%
+fig, axes = plt.subplots(2, 1, figsize=(8, 4.5), sharex=False)
+for ax, m in zip(axes, (1, 8)):
+    sched = gpipe_schedule(p, m)
+    for kind, color in (("F", "#4C72B0"), ("B", "#DD8452")):
+        part = sched[sched.kind == kind]
+        for _, row in part.iterrows():
+            ax.barh(row.stage, row.end - row.start, left=row.start, color=color, edgecolor="white")
+    ax.set_yticks(range(p), [f"GPU {i}" for i in range(p)])
+    ax.invert_yaxis()
+    ax.set_title(f"{m} micro-batch{'es' if m > 1 else ''}: {bubble(sched, p):.0%} of GPU time idle")
+    ax.set_xlabel("time (forward passes of one micro-batch)")
+axes[0].legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in ("#4C72B0", "#DD8452")],
+               labels=["forward", "backward"], loc="lower left")
+fig.suptitle("GPipe on 4 stages: micro-batches shrink the pipeline bubble")
+fig.tight_layout()
+
+# %% [markdown]
+# With one micro-batch, {glue:text}`bubble_m1:.0%` of the GPUs' time is idle: each GPU waits while the others
+# work. Eight micro-batches bring it to {glue:text}`bubble_m8:.0%`, 32 to {glue:text}`bubble_m32:.0%`. More
+# micro-batches cost memory: GPipe keeps every micro-batch's activations until its backward pass. The
+# "one forward, one backward" (1F1B) schedule of {cite:t}`narayanan2021efficient` has the same bubble but
+# starts backward passes early, so a stage holds at most $p$ micro-batches' activations.
+
+# %% [markdown]
+# ## 7.3 ZeRO by formula
+#
+# Data parallelism copies everything to every GPU: parameters, gradients and optimizer states, the *model
+# states*. ZeRO ({cite:t}`rajbhandari2020zero`, "Zero Redundancy Optimizer") removes the copies in three
+# stages: each of the $N_d$ GPUs keeps $1/N_d$ of the optimizer states (stage 1, $P_{os}$), then also of the
+# gradients (stage 2, $P_{os+g}$), then also of the parameters (stage 3, $P_{os+g+p}$), and fetches what it
+# needs when it needs it. With $\Psi$ parameters, mixed precision with Adam keeps fp16 parameters and
+# gradients ($2\Psi + 2\Psi$ bytes) and $K\Psi$ bytes of optimizer states, $K = 12$: an fp32 master copy of
+# the weights, momentum and variance. Per GPU:
+#
+# | | parameters | gradients | optimizer states |
+# |---|---|---|---|
+# | data parallel | $2\Psi$ | $2\Psi$ | $K\Psi$ |
+# | ZeRO-1 | $2\Psi$ | $2\Psi$ | $K\Psi/N_d$ |
+# | ZeRO-2 | $2\Psi$ | $2\Psi/N_d$ | $K\Psi/N_d$ |
+# | ZeRO-3 | $2\Psi/N_d$ | $2\Psi/N_d$ | $K\Psi/N_d$ |
+#
+# `estimates.zero_model_state_bytes` is this table. The paper's figure 1 prints it for $\Psi$ = 7.5 billion
+# and $N_d = 64$, in GB of $10^9$ bytes (120 GB is exactly $16 \times 7.5 \times 10^9$ bytes):
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# (pure arithmetic; printed as text)
+psi, n_d = 7.5e9, 64
+paper = pd.DataFrame({
+    "paper (GB)": estimates.PAPER_7_5B_GB,
+    "formula (GB)": {s: estimates.zero_model_state_bytes(psi, n_d, s)["total"] / 1e9 for s in estimates.STAGES},
+    "formula (GiB)": {s: estimates.zero_model_state_bytes(psi, n_d, s)["total"] / GIB for s in estimates.STAGES},
+}).rename(index=estimates.STAGE_LABELS)
+assert (paper["formula (GB)"].round(1) == paper["paper (GB)"]).all()  # the paper's numbers, to its precision
+for stage, gb in zip(estimates.STAGES, paper["formula (GB)"]):
+    glue(f"paper_{stage}_gb", gb)
+print(paper.to_string(float_format="{:,.2f}".format))
+
+# %% [markdown]
+# The formula gives the paper's {glue:text}`paper_ddp_gb:.0f`, {glue:text}`paper_zero1_gb:.1f`,
+# {glue:text}`paper_zero2_gb:.1f` and {glue:text}`paper_zero3_gb:.1f` GB, which the paper rounds to one
+# decimal (the last column converts them to the binary GiB of this book). How they fall with the number of GPUs:
+
+# %%
+n_gpus = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+curve = (estimates.zero_table(psi, n_gpus) / GIB).rename(columns=estimates.STAGE_LABELS).reset_index()
+fig = plots.lines(curve, x="GPUs", ys=list(estimates.STAGE_LABELS.values()), logx=True, logy=True,
+                  title="7.5B parameters, mixed-precision Adam (K = 12): model states per GPU",
+                  xlabel="data-parallel GPUs $N_d$", ylabel="model states per GPU (GiB)")
+fig.axes[0].axhline(T4_MEMORY_GIB, color="grey", linestyle="--", label="a T4's 14.75 GiB")
+fig.axes[0].legend()
+glue("zero1_floor_gib", 4 * psi / GIB)
+glue("zero2_floor_gib", 2 * psi / GIB)
+
+# %% [markdown]
+# ZeRO-1 and ZeRO-2 level off: however many GPUs, each keeps the full fp16 parameters and (ZeRO-1) gradients,
+# $4\Psi$ = {glue:text}`zero1_floor_gib:.1f` GiB and $2\Psi$ = {glue:text}`zero2_floor_gib:.1f` GiB. Only
+# ZeRO-3 keeps falling as $1/N_d$. The price is communication. Stages 1 and 2 send as much as plain data
+# parallelism (an all-reduce is a reduce-scatter followed by an all-gather; ZeRO-2 keeps the first half for the
+# gradients and does the second half on the updated parameters); stage 3 also gathers every layer's parameters
+# in the forward pass and again in the backward pass, 1.5 times the traffic according to the paper.
+
+# %% [markdown]
+# ## 7.4 ZeRO for real: DDP, ZeroRedundancyOptimizer and FSDP, launched with torchrun
+#
+# PyTorch ships each stage as an engine:
+#
+# - **DDP** (`DistributedDataParallel`): everything replicated; gradients all-reduced in buckets during
+#   backward. With `gradient_as_bucket_view=True` the gradients *are* the buckets; without it DDP keeps a
+#   second, gradient-sized copy for communication.
+# - **ZeRO-1**: DDP plus `torch.distributed.optim.ZeroRedundancyOptimizer`, which gives each rank the
+#   optimizer (and its states) for a share of the parameters, and broadcasts the updated parameters after
+#   the step.
+# - **FSDP** ({cite:t}`zhao2023fsdp`), here FSDP2's `fully_shard`, applied to every transformer block and
+#   then to the whole model: parameters, gradients and optimizer states are sharded *at rest*. A block's
+#   parameters are all-gathered just before it runs and its gradients reduce-scattered right after its
+#   backward. With `reshard_after_forward=True` the gathered parameters are freed after each block's forward
+#   and gathered again for its backward: **ZeRO-3**. With `False` they are kept from forward to backward,
+#   which saves the second all-gather: the memory of **ZeRO-2** during the computation (whole parameters,
+#   sharded gradients and states), and what FSDP1 calls `SHARD_GRAD_OP`.
+#
+# The launched script, `scripts/train_zero.py`, builds the same model on every rank and passes it to one of
+# these engines; the training loop after that is the same for all of them:
+
+# %%
+zero_script = launching.load_script(SCRIPTS / "train_zero.py")
+Code(inspect.getsource(zero_script.wrap), language="python")
+
+# %% [markdown]
+# Training is in **fp32**: fp32 weights, fp32 gradients and AdamW's two fp32 states, $4 + 4 + 8 = 16$ bytes
+# per parameter, so the formula takes 4-byte parameters and gradients and $K = 8$ (there is no separate
+# master copy: the fp32 weights are the master). For each strategy every rank trains a few steps on its own
+# random batches and records the bytes it holds, counted by `accounting.model_state_bytes` (FSDP
+# turns each tensor into a `DTensor` whose `numel()` is the global size; each rank counts its local shard),
+# the bytes of whole parameters it holds right after the forward pass (*gathered*), its peak allocated
+# memory (GPU only) and its median step time. The full profile trains the 1.3B GPT-NeoX at batch 4 per rank,
+# sequence 256; we launch it on 1 GPU and on 2, and 4 GPUs would be next.
+
+# %%
+size = prof.pick(tiny=dict(batch=2, seq=32, warmup=1, steps=2), full=dict(batch=4, seq=256, warmup=2, steps=3))
+train_args = ["--profile", prof.name] + [a for k, v in size.items() for a in (f"--{k}", str(v))]
+runs = []
+for ws in (1, 2, 4):
+    if ws > n_dev:
+        print(f"world size {ws}: needs {ws} GPUs, this machine has {n_dev}: formula only" if prof.on_gpu
+              else f"world size {ws}: the tiny profile launches at most {n_dev} processes: formula only")
+        continue
+    launch = launching.torchrun(SCRIPTS / "train_zero.py", ws, ["--out", WORK / f"ws{ws}", *train_args])
+    print(launch.text)
+    done = launching.run(launch)
+    print(f"  finished in {done.seconds:.0f} s")
+    runs.append(launching.read_results(WORK / f"ws{ws}"))
+results = pd.concat(runs, ignore_index=True)
+assert (results["status"] == "ok").all(), (
+    "a configuration ran out of GPU memory (use bigger GPUs, or GPUBOOK_PROFILE=tiny):\n"
+    + results[["world_size", "strategy", "rank", "status"]].to_string())
+
+# %% [markdown]
+# One row per world size and strategy; where the ranks differ (ZeRO-1 splits the optimizer by whole
+# parameters, so its shares need not be equal) the row shows the rank that holds the most. On a GPU,
+# *allocated at start* is what was still allocated when the strategy began, in the process that had just run
+# the previous one: 0 when everything was given back. Beside it, the
+# formula for the same $\Psi$, with 4-byte parameters and gradients and $K = 8$:
+
+# %%
+unit, unit_name = prof.pick(tiny=(MIB, "MiB"), full=(GIB, "GiB"))
+recipe = dict(param_bytes=4, grad_bytes=4, optimizer_bytes=8)
+psi_run = int(results["n_params"].iloc[0])
+model_size = f"GPT-NeoX, {psi_run / 1e9:.2f}B parameters" if psi_run >= 1e9 else f"GPT-NeoX, {psi_run / 1e6:.1f}M parameters"
+parts = {"params_mib": "parameters", "gathered_params_mib": "gathered parameters", "grads_mib": "gradients",
+         "optimizer_states_mib": "optimizer states"}
+per_rank = results.assign(states_mib=results[list(parts)].sum(axis=1))
+top = per_rank.loc[per_rank.groupby(["world_size", "strategy"])["states_mib"].idxmax()]
+table = top.set_index(["world_size", "strategy"])[[*parts, "states_mib"]] * MIB / unit
+table.columns = [f"{parts.get(c, 'model states')} ({unit_name})" for c in table.columns]
+table[f"formula ({unit_name})"] = [
+    estimates.zero_model_state_bytes(psi_run, ws, st, **recipe)["total"] / unit for ws, st in table.index
+]
+table["measured / formula"] = table[f"model states ({unit_name})"] / table[f"formula ({unit_name})"]
+if prof.on_gpu:
+    table["peak allocated (GiB)"] = top.set_index(["world_size", "strategy"])["peak_allocated_mib"] * MIB / GIB
+    table["allocated at start (MiB)"] = top.set_index(["world_size", "strategy"])["allocated_before_mib"]
+table["step time (s)"] = top.set_index(["world_size", "strategy"])["step_time_s"]
+table
+
+# %% [markdown]
+# How to read it, stage by stage (all per rank, $N$ ranks):
+#
+# - **DDP** holds the 16 bytes per parameter of chapter 1 whatever $N$ is: measured and formula agree exactly.
+# - **ZeRO-1** keeps whole parameters and gradients and about $1/N$ of the optimizer states.
+# - **FSDP, both settings**, holds only its shard of everything at rest, $16\Psi/N$. The difference between
+#   them is the *gathered* column: with `reshard_after_forward=False` (ZeRO-2) each rank also holds every
+#   layer's whole parameters from the forward pass to the backward pass; with `True` (ZeRO-3) none are left
+#   after the forward pass. The paper's ZeRO-2 keeps whole parameters instead of shards; FSDP keeps the
+#   shards *and* gathers, so its ZeRO-2 row exceeds the formula by one parameter shard, $4\Psi/N$.
+# - On one GPU, FSDP shards nothing, and with `reshard_after_forward=False` it still gathers a second, whole
+#   copy of the parameters: on one GPU it only costs.
+#
+# The accounting counts tensors; the allocator (on a GPU) counts everything: activations, the gathered
+# parameters of the layer being computed, the optimizer's temporary buffers. The figure shows what each rank
+# holds, with the formula as a black mark; the 4-GPU column is the formula alone.
+
+# %%
+colors = {"parameters": plots.COMPONENT_COLORS["weights"], "gathered parameters": "#A6BDDB",
+          "gradients": plots.COMPONENT_COLORS["gradients"], "optimizer states": plots.COMPONENT_COLORS["optimizer states"]}
+labels = [estimates.STAGE_LABELS[s].replace(" (", "\n(") for s in estimates.STAGES]
+fig, axes = plt.subplots(1, 3, figsize=(11, 4), sharey=True)
+for ax, ws in zip(axes, (1, 2, 4)):
+    formula = [estimates.zero_model_state_bytes(psi_run, ws, s, **recipe) for s in estimates.STAGES]
+    measured = ws in set(table.index.get_level_values(0))
+    bottom = np.zeros(len(estimates.STAGES))
+    for part, color in colors.items():
+        if measured:
+            vals = np.array([table.loc[(ws, s), f"{part} ({unit_name})"] for s in estimates.STAGES])
+        else:
+            key = {"parameters": "weights", "gradients": "gradients", "optimizer states": "optimizer_states"}.get(part)
+            vals = np.array([f[key] / unit if key else 0.0 for f in formula])
+        ax.bar(labels, vals, bottom=bottom, color=color, label=part, hatch=None if measured else "//",
+               edgecolor="white")
+        bottom += vals
+    ax.scatter(labels, [f["total"] / unit for f in formula], color="black", marker="_", s=900, zorder=3,
+               label="formula")
+    who = ("GPU", "GPUs") if prof.on_gpu else ("process", "processes")
+    ax.set_title(f"{ws} {who[ws > 1]}{'' if measured else ': formula only'}")
+    ax.tick_params(axis="x", labelsize=8)
+axes[0].set_ylabel(f"model states per rank ({unit_name})")
+axes[-1].legend(loc="upper right")
+fig.suptitle(f"{model_size}, fp32 AdamW: each ZeRO stage holds less per rank")
+fig.tight_layout()
+
+# %% [markdown]
+# On the GPUs, the peak allocated memory of each rank, the number that decides whether a run fits:
+
+# %%
+if profiles.cuda_or_skip("peak allocated memory is an allocator statistic"):
+    peak = table["peak allocated (GiB)"].unstack("world_size").reindex(estimates.STAGES)
+    peak.index = labels
+    ax = peak.plot.bar(rot=0, figsize=(8, 4), color=["#8C8C8C", "#4C72B0"][-len(peak.columns):])
+    t4_line = ax.axhline(T4_MEMORY_GIB, color="grey", linestyle="--")
+    ax.legend([*ax.containers, t4_line], [f"{c} GPU{'s' if c > 1 else ''}" for c in peak.columns] + ["a T4's 14.75 GiB"])
+    ax.set_ylabel("peak allocated per rank (GiB)")
+    ax.set_xlabel("")
+    ax.set_title(f"{model_size}, fp32 AdamW, batch {size['batch']} x {size['seq']}: peak memory per rank")
+    ax.figure.tight_layout()
+if prof.is_full and prof.on_gpu:
+    for ws in peak.columns:
+        for stage in estimates.STAGES:
+            row = table.loc[(ws, stage)]
+            glue(f"z_{stage}_n{ws}_states_gib", row["model states (GiB)"])
+            glue(f"z_{stage}_n{ws}_peak_gib", row["peak allocated (GiB)"])
+            glue(f"z_{stage}_n{ws}_step_s", row["step time (s)"])
+    for ws in (1, 2, 4):
+        for stage in estimates.STAGES:
+            glue(f"z_{stage}_n{ws}_formula_gib",
+                 estimates.zero_model_state_bytes(psi_run, ws, stage, **recipe)["total"] / GIB)
+    glue("z_psi_b", psi_run / 1e9)
+    glue("z_alloc_start_max_mib", table["allocated at start (MiB)"].max())
+
+# %% [markdown]
+# On one GPU, DDP holds {glue:text}`z_ddp_n1_states_gib:.1f` GiB of model states and peaks at
+# {glue:text}`z_ddp_n1_peak_gib:.1f` GiB: on top of the model states come the activations and the optimizer
+# step's temporary buffers. Every strategy started from {glue:text}`z_alloc_start_max_mib:.0f` MiB allocated
+# or less. On two GPUs, ZeRO-3 holds
+# {glue:text}`z_zero3_n2_states_gib:.1f` GiB at rest and peaks at {glue:text}`z_zero3_n2_peak_gib:.1f` GiB
+# per rank, against {glue:text}`z_ddp_n2_peak_gib:.1f` GiB for DDP. The step times on two GPUs
+# ({glue:text}`z_ddp_n2_step_s:.2f` s for DDP, {glue:text}`z_zero3_n2_step_s:.2f` s for ZeRO-3) include the
+# communication, here over NVLink between two GPUs of one machine; section 7.6 says what changes over a
+# network.
+#
+# The engines change where the states live, not the arithmetic: on each world size, rank 0's losses are the
+# same under all four (they differ only by the order in which gradients were summed).
+
+# %%
+losses = results[results["rank"] == 0].set_index(["world_size", "strategy"])["losses"]
+loss_table = pd.DataFrame(losses.tolist(), index=losses.index).rename(columns=lambda i: f"step {i}")
+for ws in loss_table.index.get_level_values(0).unique():
+    for stage in estimates.STAGES:
+        np.testing.assert_allclose(loss_table.loc[(ws, stage)], loss_table.loc[(ws, "ddp")], rtol=1e-3)
+loss_table.map("{:.4f}".format)
+
+# %% [markdown]
+# ## 7.5 The same through accelerate
+#
+# Hugging Face's `accelerate launch` starts the same processes as `torchrun` and passes a configuration to
+# them; in the script, `Accelerator().prepare(model, optimizer)` wraps model and optimizer as the
+# configuration says. This YAML file asks for FSDP2, one unit per `GPTNeoXLayer`, fully sharded:
+
+# %%
+Code((SCRIPTS / "accelerate_fsdp.yaml").read_text(), language="yaml")
+
+# %% [markdown]
+# The training script stays as it is. Its `accelerate` strategy (shown above in `wrap`) hands model and
+# optimizer to `Accelerator.prepare` and returns `accelerator.backward`; the loop, the measurements and the
+# results are the same code as for the other strategies. accelerate applies an FSDP configuration only on
+# GPUs: on a CPU (the tiny profile) we tell it so (`ACCELERATE_USE_CPU=true`), and it falls back to DDP over
+# gloo.
+
+# %%
+nproc = min(2, n_dev)
+acc_launch = launching.accelerate_launch(SCRIPTS / "accelerate_fsdp.yaml", SCRIPTS / "train_zero.py", nproc,
+                                           ["--strategies", "accelerate", "--out", WORK / "accelerate", *train_args])
+print(acc_launch.text)
+acc_env = launching.launch_env()
+if not prof.on_gpu:
+    acc_env["ACCELERATE_USE_CPU"] = "true"
+done = launching.run(acc_launch, env=acc_env)
+print(f"  finished in {done.seconds:.0f} s")
+acc = launching.read_results(WORK / "accelerate")
+engine = "zero3" if acc["wrapped_as"].iloc[0].startswith("FSDP") else "ddp"  # what accelerate applied
+mine = results[(results.world_size == nproc) & (results.strategy == engine)].set_index("rank")
+held = ["params_mib", "grads_mib", "optimizer_states_mib"]
+np.testing.assert_allclose(acc.set_index("rank")[held], mine[held])  # same engine, same bytes per rank
+print(f"accelerate wrapped the model as {acc['wrapped_as'].iloc[0]}: per rank the same parameters, gradients "
+      f"and optimizer states as the hand-made '{engine}' run")
+acc_cols = ["rank", *held, "gathered_params_mib", "peak_allocated_mib", "step_time_s"]
+if prof.is_full and prof.on_gpu:
+    glue("acc_gathered_mib", acc["gathered_params_mib"].max())
+acc[acc_cols]
+
+# %% [markdown]
+# accelerate's FSDP holds, per rank, exactly the shards of our hand-made ZeRO-3 (asserted above). One
+# difference shows in the gathered column, {glue:text}`acc_gathered_mib:,.0f` MiB: accelerate 1.15 puts the
+# final layer norm and the output head in a unit of their own that stays gathered from the end of the forward
+# pass to the start of the backward pass, since the backward pass needs them first.
+#
+# DeepSpeed's ZeRO is configured the same way, with `distributed_type: DEEPSPEED` and a `deepspeed_config`
+# (`zero_stage: 1`, `2` or `3`) in the YAML file; it is not tried here:
+
+# %%
+deepspeed_found = importlib.util.find_spec("deepspeed") is not None
+print("DeepSpeed is installed, but this chapter runs only the FSDP config" if deepspeed_found
+      else "skipped: DeepSpeed is not installed here (pip install deepspeed), so only the FSDP config runs")
+
+# %% [markdown]
+# ## 7.6 What changes across machines
+#
+# Everything above ran on the GPUs of one machine, where NCCL moves data over NVLink. Between machines it
+# goes over the network (InfiniBand or Ethernet), with far less bandwidth per GPU, and that decides which
+# parallelism goes where: tensor parallelism, which communicates inside every layer, stays within a machine;
+# pipeline stages and data parallelism (with ZeRO) span machines. ZeRO-3 trades memory for traffic (1.5
+# times DDP's); across a slow network, ZeRO-1 or 2, or FSDP's hybrid sharding (shard within a machine,
+# replicate across machines) may train faster.
+#
+# The script itself does not change. `torchrun` is started once on every machine, with the number of
+# machines, this machine's index and one address where they all meet:
+#
+# ```bash
+# # on each of 2 machines with 8 GPUs; node 0 is reachable as host0
+# torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 \
+#          --rdzv_backend=c10d --rdzv_endpoint=host0:29500 scripts/train_zero.py --out results
+# ```
+#
+# (`--node_rank=1` on the second machine.) `accelerate launch` takes the same information as
+# `--num_machines`, `--machine_rank`, `--main_process_ip` and `--main_process_port`. Setting
+# `NCCL_DEBUG=INFO` shows which transport NCCL chose between each pair of GPUs. Two practical notes from
+# this chapter's runs: every rank builds the whole model before FSDP shards it, which a model larger than one
+# GPU does not allow (build it on the `meta` device, shard it, then initialise the shards: FSDP2's documented
+# way); and `launching.launch_env` turns NVLink multicast off (`NCCL_NVLS_ENABLE=0` and two related
+# variables), as the GPU machines of this book require; elsewhere NCCL's defaults are fine.
+
+# %%
+shutil.rmtree(WORK, ignore_errors=True)  # the launched processes' results, no longer needed
+
+# %% [markdown]
+# ## Summary
+#
+# Measured on the machine of the first output, per rank, for the {glue:text}`z_psi_b:.2f`B GPT-NeoX in fp32
+# with AdamW (model states counted tensor by tensor; peak from the allocator; formula with 4-byte parameters
+# and gradients and $K = 8$):
+#
+# | stage | 1 GPU: states | formula | peak | 2 GPUs: states | formula | peak | 4 GPUs: formula |
+# |---|---|---|---|---|---|---|---|
+# | DDP | {glue:text}`z_ddp_n1_states_gib:.1f` | {glue:text}`z_ddp_n1_formula_gib:.1f` | {glue:text}`z_ddp_n1_peak_gib:.1f` | {glue:text}`z_ddp_n2_states_gib:.1f` | {glue:text}`z_ddp_n2_formula_gib:.1f` | {glue:text}`z_ddp_n2_peak_gib:.1f` | {glue:text}`z_ddp_n4_formula_gib:.1f` |
+# | ZeRO-1 | {glue:text}`z_zero1_n1_states_gib:.1f` | {glue:text}`z_zero1_n1_formula_gib:.1f` | {glue:text}`z_zero1_n1_peak_gib:.1f` | {glue:text}`z_zero1_n2_states_gib:.1f` | {glue:text}`z_zero1_n2_formula_gib:.1f` | {glue:text}`z_zero1_n2_peak_gib:.1f` | {glue:text}`z_zero1_n4_formula_gib:.1f` |
+# | ZeRO-2 (FSDP, kept) | {glue:text}`z_zero2_n1_states_gib:.1f` | {glue:text}`z_zero2_n1_formula_gib:.1f` | {glue:text}`z_zero2_n1_peak_gib:.1f` | {glue:text}`z_zero2_n2_states_gib:.1f` | {glue:text}`z_zero2_n2_formula_gib:.1f` | {glue:text}`z_zero2_n2_peak_gib:.1f` | {glue:text}`z_zero2_n4_formula_gib:.1f` |
+# | ZeRO-3 (FSDP) | {glue:text}`z_zero3_n1_states_gib:.1f` | {glue:text}`z_zero3_n1_formula_gib:.1f` | {glue:text}`z_zero3_n1_peak_gib:.1f` | {glue:text}`z_zero3_n2_states_gib:.1f` | {glue:text}`z_zero3_n2_formula_gib:.1f` | {glue:text}`z_zero3_n2_peak_gib:.1f` | {glue:text}`z_zero3_n4_formula_gib:.1f` |
+#
+# All in GiB; "states" includes the parameters gathered between forward and backward.
+#
+# - Data parallelism averages gradients with an all-reduce; the result equals one process's gradient on the
+#   whole batch (checked, by hand and with DDP).
+# - Tensor parallelism splits weight matrices by columns and rows; an MLP block or an attention layer needs
+#   one all-reduce in each direction, inside every layer. Pipeline parallelism splits layers and pays with
+#   idle time, $(p-1)/(m+p-1)$ with GPipe.
+# - ZeRO removes data parallelism's copies in three stages; its formula predicts what PyTorch's engines hold
+#   per rank, except where FSDP keeps shards and gathered parameters side by side.
+# - `accelerate launch` with an FSDP config gives the same shards with an unchanged script.
+#
+# ## Use it in your own script
+#
+# A script that trains with ZeRO-3 (FSDP2) or DDP, launched on every GPU of a machine with
+# `torchrun --nproc_per_node=NUM_GPUS train.py`.
+#
+# ```python
+# import os
+#
+# import torch
+# import torch.distributed as dist
+# from torch.distributed.fsdp import fully_shard  # FSDP2 (torch >= 2.6)
+#
+# dist.init_process_group("nccl")
+# local_rank = int(os.environ["LOCAL_RANK"])
+# torch.cuda.set_device(local_rank)
+# model = build_model().cuda()
+# for block in model.gpt_neox.layers:  # ZeRO-3: shard block by block, then the rest
+#     fully_shard(block)
+# fully_shard(model)
+# # DDP instead: model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank])
+# optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+# ```
+#
+# ## Exercises
+#
+# Each exercise has a hint and an answer (or the range to expect) behind a click.
+#
+# 1. In `scripts/train_zero.py`, set `gradient_as_bucket_view=False` for DDP and rerun section 7.4. The
+#    peak should grow by one copy of the gradients ($4\Psi$ bytes). Does it?
+#
+#    <details><summary>Hint</summary>
+#
+#    With bucket views, the gradients live inside DDP's communication buckets; without them, DDP keeps a second copy.
+#
+#    </details>
+#
+#    <details><summary>Answer</summary>
+#
+#    Yes: the peak grows by about one copy of the fp32 gradients, $4\Psi$ bytes, about 5 GiB for the 1.33B model (compare the DDP rows of the table above).
+#
+#    </details>
+#
+# 2. Add `--bf16` to `train_args` (bf16 autocast, fp32 weights). The model states do not change; the peaks do.
+#    Chapter 1 found that autocast keeps a 16-bit copy of every weight until backward: how does that copy
+#    behave under ZeRO-3, which gathers and frees weights layer by layer?
+#
+#    <details><summary>Hint</summary>
+#
+#    Autocast keeps its 16-bit copies of the weights in a cache until the autocast region ends; ZeRO-3 gathers each layer's weights and frees them after use.
+#
+#    </details>
+#
+#    <details><summary>Answer</summary>
+#
+#    The states do not change; under DDP, ZeRO-1 and ZeRO-2 the peak grows by about $2\Psi$ bytes of bf16 copies. Under ZeRO-3 it depends on whether the cache keeps the copies of gathered weights after FSDP frees them: if it does, ZeRO-3 pays the full $2\Psi$ as well and loses part of its saving. FSDP's own mixed-precision policy (gathering in bf16) avoids the cache.
+#
+#    </details>
+#
+# 3. In the pipeline schedule, make a backward pass as long as a forward pass (`t_b=1.0`). Does the bubble
+#    fraction change? Why not?
+#
+#    <details><summary>Hint</summary>
+#
+#    The bubble is the fill and drain time of the pipeline, in units of one micro-batch's time through a stage.
+#
+#    </details>
+#
+#    <details><summary>Answer</summary>
+#
+#    No: with GPipe both the forward and the backward phase fill and drain the pipeline, and longer backward passes stretch the busy and the idle time alike; the fraction stays $(p-1)/(m+p-1)$.
+#
+#    </details>
+#
+# 4. With the formula: how many GPUs does ZeRO-3 need to hold the 7.5B model's states in a T4's 14.75 GiB?
+#    And ZeRO-2?
+#
+#    <details><summary>Hint</summary>
+#
+#    Mixed-precision Adam: ZeRO-3 holds $(2 + 2 + K)\Psi / N_d$ bytes per GPU, ZeRO-2 holds $2\Psi + (2 + K)\Psi / N_d$, with $K = 12$ and $\Psi = 7.5 \times 10^9$; 14.75 GiB is about $15.8 \times 10^9$ bytes.
+#
+#    </details>
+#
+#    <details><summary>Answer</summary>
+#
+#    ZeRO-3: $120 \times 10^9 / N_d \le 15.8 \times 10^9$, so 8 GPUs (with nothing left for activations; more in practice). ZeRO-2: the unsharded 16-bit weights alone take $15 \times 10^9$ bytes, so it needs about 126 GPUs: not a realistic option.
+#
+#    </details>
+#
+# ## References
+#
+# - {cite:t}`rajbhandari2020zero`: ZeRO's three stages, the memory formula and figure 1, the communication
+#   volumes.
+# - {cite:t}`shoeybi2019megatron`: tensor parallelism of the MLP block and of attention.
+# - {cite:t}`zhao2023fsdp`: PyTorch FSDP.
+# - {cite:t}`huang2019gpipe` and {cite:t}`narayanan2021efficient`: pipeline schedules and their bubble.
+# - {cite:t}`heo2024llm`, chapter 5: data, pipeline and tensor parallelism and ZeRO, in pictures.

@@ -1,0 +1,1225 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 8. Profiling: where the time goes
+#
+# Chapters 1 to 7 measured memory to the byte. Time is harder to measure, because a GPU runs
+# *asynchronously*: a Python line that launches a kernel returns long before the kernel ends, so a
+# clock read in Python measures the CPU, not the GPU, unless you are careful. A careless timing does
+# not only give a wrong number; it gives a wrong *explanation*. A step that takes as long at batch 1 as
+# at batch 16 looks like "small kernels are inefficient", when in fact the GPU sat idle, waiting for
+# Python to hand it the next kernel. This chapter builds the instruments that tell these cases apart and
+# uses them on the book's two models. From here on, every speed number in the book comes from them.
+#
+# **What you will learn**
+#
+# - why `time.time()` around GPU code lies, and how to time correctly: synchronise or use CUDA events,
+#   warm up, repeat at least ten times and show the spread;
+# - how to read `torch.profiler`: a category table (GEMM, attention, element-wise, optimizer, ...),
+#   the **GPU-busy fraction** of a step, kernel launches, the per-phase split, a timeline picture and a
+#   trace file for Perfetto;
+# - the three regimes a training step can be in (host-bound, memory-bandwidth-bound, compute-bound),
+#   measured on real workloads, with the fixes for the first two measured before and after (the
+#   compute-bound regime's levers are chapters 4 and 5);
+# - how to watch memory over time with PyTorch's allocator history, find a planted leak with it, and
+#   read a real out-of-memory message;
+# - what the caching allocator does with variable-length batches, and what `expandable_segments` changes.
+#
+# **Prerequisites:** chapter 1 (the phases of a training step and their memory), chapter 3 (batch size)
+# and chapter 5 (mixed precision, fused optimizers). A CUDA GPU for the timing sections; on a CPU the
+# notebook runs with tiny models and skips the GPU-only steps, saying so.
+
+# %%
+import sys
+
+if "google.colab" in sys.modules:  # Colab: install the book's helpers; torch is already there
+    # %pip install -q "gpu-efficient-training @ git+https://github.com/gpu-efficient-training/book"
+
+from helpers import env
+
+env.quiet()  # warnings without file paths, no progress bars: outputs that read the same everywhere
+
+import json
+import os
+import shutil
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import torch
+from IPython.display import Markdown, display
+from torch.profiler import record_function
+
+from helpers import (
+    accounting,
+    batching,
+    cleanup,
+    data,
+    flops,
+    measure,
+    memsnap,
+    models,
+    plots,
+    profiler,
+    profiles,
+    timing,
+)
+from helpers.glue import glue
+from helpers.measure import GIB, MIB
+
+plots.use_style()
+pd.options.display.float_format = "{:,.2f}".format
+prof = profiles.get()
+dev = prof.device
+env.report(prof)
+
+# %% [markdown]
+# The first cell that touches the GPU notes what PyTorch has allocated before any experiment (nothing),
+# so that the last cell can check that the chapter gave everything back. It also decides the 16-bit type
+# for autocast: bf16 where the GPU's tensor cores support it (compute capability 8.0 and newer), fp16 on
+# older GPUs such as Colab's T4.
+
+# %%
+cap = profiles.capability()
+AMP = profiles.amp_dtype()
+baseline_mib = torch.cuda.memory_allocated() / MIB if prof.on_gpu else 0.0
+if cap is not None:
+    print(f"{cap.name}: compute capability {cap.major}.{cap.minor}; autocast uses {AMP}")
+    if not cap.bf16:
+        print("this GPU has no bf16 tensor cores: autocast runs in fp16 here")
+else:
+    print("CPU run: the models are tiny and autocast is off")
+
+# %% [markdown]
+# ## 8.1 Timing a GPU correctly
+#
+# **The GPU runs behind the CPU.** When Python calls `a @ b` on CUDA tensors, PyTorch checks the
+# arguments, picks a kernel and puts it in the GPU's queue (a *stream*); then the call returns, and Python
+# goes on while the GPU computes. A clock read right after the call measures how long it took to *queue*
+# the work. Here are three ways to time the same large matrix product: the clock alone, the clock with
+# `torch.cuda.synchronize()` (wait until the queue is empty) before reading it, and CUDA events, which
+# the GPU itself timestamps when it reaches them in its queue. The last column converts each time into
+# the FLOP rate it implies; one of them is faster than the GPU can possibly be.
+
+# %%
+n = prof.pick(tiny=512, full=8192)
+mm_dtype = AMP if prof.on_gpu else torch.float32
+gen = torch.Generator(device=dev).manual_seed(0)
+a = torch.randn(n, n, device=dev, dtype=mm_dtype, generator=gen)
+b = torch.randn(n, n, device=dev, dtype=mm_dtype, generator=gen)
+matmul_flop = 2 * n**3
+
+
+def per_call(k, sync):
+    """Seconds per call of ``a @ b`` over ``k`` calls, reading the clock with or without synchronising."""
+    measure.synchronize(dev)
+    start = time.perf_counter()
+    for _ in range(k):
+        a @ b
+    if sync:
+        measure.synchronize(dev)
+    elapsed = (time.perf_counter() - start) / k
+    measure.synchronize(dev)  # never leave work in the queue for the next measurement
+    return elapsed
+
+
+first_call_s = per_call(1, sync=True)  # the first product: cuBLAS starts up, kernels load
+second_call_s = per_call(1, sync=True)
+mm = timing.time_it(lambda: a @ b, device=dev, warmup=3, repeat=10)
+clocks = {
+    "first call (synchronised)": first_call_s,
+    "second call (synchronised)": second_call_s,
+    "clock only, no synchronise (median of 10)": float(np.median([per_call(1, sync=False) for _ in range(10)])),
+    "clock + synchronise (time_it, median of 10)": mm.wall.median,
+}
+if prof.on_gpu:
+    clocks["CUDA events (time_it, median of 10)"] = mm.gpu.median
+clock_table = pd.DataFrame({"time per call (ms)": {k: v * 1e3 for k, v in clocks.items()}})
+clock_table["implied TFLOP/s"] = matmul_flop / pd.Series(clocks) / 1e12
+peak = None
+if prof.on_gpu:
+    try:
+        peak = flops.peak_tflops(torch.cuda.get_device_name(), mm_dtype)
+    except ValueError:  # a GPU the table does not know
+        peak = None
+glue("mm_nosync_ms", clocks["clock only, no synchronise (median of 10)"] * 1e3)
+glue("mm_sync_ms", mm.wall.median * 1e3)
+clock_table
+
+# %% tags=["remove-input"]
+if prof.on_gpu:
+    nosync = clocks["clock only, no synchronise (median of 10)"]
+    peak_txt = f"this GPU's datasheet peak is {peak:,.0f} TFLOP/s" if peak else "no GPU reaches that"
+    display(Markdown(
+        f"Without synchronising, one product of two {n} x {n} matrices seems to take {nosync * 1e3:.3f} ms, "
+        f"which would mean {matmul_flop / nosync / 1e12:,.0f} TFLOP/s; {peak_txt}. That number is the time to "
+        f"*queue* the kernel. Synchronised, the product takes {mm.wall.median * 1e3:.2f} ms "
+        f"({matmul_flop / mm.wall.median / 1e12:,.0f} TFLOP/s), and the CUDA events agree "
+        f"({mm.gpu.median * 1e3:.2f} ms). The very first product took {first_call_s * 1e3:.1f} ms, "
+        f"{first_call_s / mm.wall.median:.0f} times the steady state. A first call typically pays for one-time "
+        f"work: cuBLAS creating its handle and workspace, CUDA loading the kernel's code on first use (lazy "
+        f"loading), a library choosing its algorithm. Never time a first call."
+    ))
+else:
+    print("skipped on CPU: a CPU computes synchronously, so the clock alone is right there")
+
+# %% [markdown]
+# **One helper for every timing.** `timing.time_it(fn, device=...)` does it right once: `warmup` untimed
+# calls, then `repeat` (default 10) timed calls, each with three clocks:
+#
+# - *wall*: start of the call to the end of the GPU's work (the clock plus `synchronize`);
+# - *GPU*: CUDA events recorded before and after the call;
+# - *host enqueue*: start of the call until it returns, before synchronising: how long the CPU needs to
+#   issue the work.
+#
+# It reports the median, the interquartile range (IQR, the middle half of the samples) and the extremes,
+# and one extra call under the profiler gives the **GPU-busy fraction**: the share of the wall time in
+# which some kernel was running. The key lines, without the bookkeeping:
+#
+# ```python
+# start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+# t0 = time.perf_counter()
+# start_ev.record()
+# fn()
+# host = time.perf_counter() - t0          # the CPU is done issuing the work
+# end_ev.record()
+# torch.cuda.synchronize()
+# wall = time.perf_counter() - t0          # the GPU is done too
+# gpu = start_ev.elapsed_time(end_ev) / 1e3
+# ```
+#
+# If the host needed about as long to *issue* the work as the whole call took, and the GPU was busy only a
+# small part of the time, the GPU was waiting for the CPU: the call is **host-bound** (also called
+# launch-bound or overhead-bound). If the GPU was busy nearly all the time, it is **GPU-bound**. Two
+# extreme cases show both verdicts: 200 additions on a 64 x 64 matrix (tiny kernels) and the large matrix
+# product from above.
+
+# %%
+small = torch.zeros(64, 64, device=dev)
+regimes_demo = {
+    "200 tiny additions (64 x 64)": timing.time_it(lambda: [small.add_(1) for _ in range(200)], device=dev),
+    f"one {n} x {n} matrix product": mm,
+}
+demo_table = pd.DataFrame({k: t.summary() for k, t in regimes_demo.items()}).T
+demo_table
+
+# %% tags=["remove-input"]
+if prof.on_gpu:
+    tiny_t = regimes_demo["200 tiny additions (64 x 64)"]
+    glue("tiny_busy", tiny_t.gpu_busy)
+    glue("mm_busy", mm.gpu_busy)
+    display(Markdown(
+        f"The tiny additions keep the GPU busy {tiny_t.gpu_busy:.0%} of the time: each kernel runs for "
+        f"{tiny_t.kernel_s / 200 * 1e6:.1f} µs, but launching it costs the CPU {tiny_t.host.median / 200 * 1e6:.1f} µs. "
+        f"The CUDA events ({tiny_t.gpu.median * 1e3:.2f} ms) say nearly the same as the wall clock "
+        f"({tiny_t.wall.median * 1e3:.2f} ms) and the host ({tiny_t.host.median * 1e3:.2f} ms): on an idle stream the "
+        f"first event completes as soon as it is recorded, so the events span the whole call, the host's launches "
+        f"and the GPU's idle gaps included. On their own they cannot tell a busy GPU from a waiting one; the "
+        f"GPU-busy fraction can. "
+        f"The matrix product keeps the GPU busy {mm.gpu_busy:.0%} of the time, and the CPU needed only "
+        f"{mm.host.median * 1e6:.0f} µs to issue it."
+    ))
+else:
+    print("skipped on CPU: GPU-busy and host enqueue time need a GPU (the table shows wall time only)")
+
+# %% [markdown]
+# **Spread.** The IQR column is the noise of the measurement. When two variants differ by less than it,
+# they are *within the noise*, whatever their medians say; `timing.compare` makes that call. Small,
+# host-bound workloads are the noisiest: their time is the time of Python and the CPU, which share the
+# machine with everything else that runs on it.
+
+# %%
+freed = cleanup.free(globals(), "a", "b", "small")
+if prof.on_gpu:
+    print(f"allocated after freeing the matrices: {freed.allocated_after_mib:.0f} MiB "
+          f"(cuBLAS keeps a workspace; the last cell of the chapter gives it back)")
+
+# %% [markdown]
+# ## 8.2 `torch.profiler` on the book's models
+#
+# A timing says how long; a profile says *where*. `profiler.profile(step, device=...)` runs a training
+# step under `torch.profiler` with CPU and CUDA activities (a warm-up step, then the profiled ones), writes
+# the trace to a file, and reduces it to a few tables. The step marks its phases with `record_function`,
+# so every kernel can be assigned to the phase in which the CPU launched it:
+#
+# ```python
+# with record_function("forward"), torch.autocast("cuda", dtype=torch.bfloat16):
+#     loss = model(**batch).loss
+# with record_function("backward"):
+#     loss.backward()
+# with record_function("optimizer"):
+#     optimizer.step()
+#     optimizer.zero_grad(set_to_none=True)
+# ```
+#
+# Under the hood it is the standard recipe, `torch.profiler.profile(activities=[CPU, CUDA],
+# schedule=schedule(wait=0, warmup=1, active=2), on_trace_ready=...)` with `prof.step()` after each step.
+#
+# The two models of the book, each at a small and a larger batch: `bert-large-uncased` (classification, 512
+# tokens) and the GPT-NeoX shape of `polyglot-ko-1.3b` (causal LM, 256 tokens), with fp32 weights, bf16
+# autocast and `torch.optim.AdamW` with its default (`foreach`) implementation. A configuration that does
+# not fit the GPU becomes a row that says so: the 1.3B model's weights, gradients and AdamW states take 16
+# bytes per parameter, about 20 GiB, more than a T4 has.
+
+# %%
+SETUPS = {
+    "bert-large-uncased": dict(head="sequence-classification", task="classification",
+                               seq_len=prof.pick(tiny=64, full=512), batches=prof.pick(tiny=(2, 8), full=(4, 32))),
+    "polyglot-ko-1.3b": dict(head="causal-lm", task="causal-lm",
+                             seq_len=prof.pick(tiny=64, full=256), batches=prof.pick(tiny=(2, 8), full=(1, 16))),
+}
+TRACES = Path("traces")  # trace files land next to the notebook (open them in https://ui.perfetto.dev)
+TRACES.mkdir(exist_ok=True)
+
+
+def build(name, **optimizer_kwargs):
+    """Model ``name`` (fp32 weights, seeded) and an AdamW for it."""
+    model = models.build(name, head=SETUPS[name]["head"], dtype=torch.float32).train()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-5, **optimizer_kwargs)
+
+
+def make_batch(name, batch_size, seed=0):
+    ds = data.dummy_dataset(batch_size, SETUPS[name]["seq_len"], task=SETUPS[name]["task"], seed=seed)
+    return {k: v.to(dev) for k, v in ds[:].items()}
+
+
+def make_step(model, optimizer, batch):
+    """One training step with its phases marked; autocast on GPUs (fp16 steps use a loss scaler)."""
+    scaler = torch.amp.GradScaler("cuda") if (prof.on_gpu and AMP == torch.float16) else None
+
+    def step():
+        with record_function("forward"), torch.autocast(dev, dtype=AMP, enabled=prof.on_gpu):
+            loss = model(**batch).loss
+        with record_function("backward"):
+            (scaler.scale(loss) if scaler else loss).backward()
+        with record_function("optimizer"):
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def run_config(name, batch_size):
+    """Time one configuration (10 repeats) and profile it (3 steps); return a table row and the profile."""
+    model, optimizer = build(name)  # freed when the function returns (or by try_batch after an OOM)
+    step = make_step(model, optimizer, make_batch(name, batch_size))
+    trace = TRACES / f"{name}_bs{batch_size}.json.gz"
+    t = timing.time_it(step, device=dev, warmup=3, repeat=10, trace_path=trace)
+    p = t.profile if t.profile is not None else profiler.profile(step, device=dev, active=3, trace_path=trace)
+    tokens = batch_size * SETUPS[name]["seq_len"]
+    row = {
+        "tokens/s": tokens / t.wall.median,
+        "wall median (ms)": t.wall.median * 1e3,
+        "wall IQR (ms)": t.wall.iqr * 1e3,
+        "host enqueue (ms)": t.host.median * 1e3,
+        "GPU kernel time (ms)": p.gpu_ms if p.on_gpu else np.nan,
+        "GPU busy": t.gpu_busy if p.on_gpu else np.nan,
+        "verdict": t.verdict,
+        "wall under the profiler (ms)": p.wall_ms,
+        "GPU ops/step": p.kernels_per_step,
+        "launch calls/step": p.launches_per_step,
+    }
+    return row, p
+
+
+rows, profiles_by_config = {}, {}
+for name, setup in SETUPS.items():
+    for bs in setup["batches"]:
+        attempt = batching.try_batch(lambda bs, name=name: run_config(name, bs), bs)
+        key = (name, bs)
+        if attempt.fits:
+            rows[key], profiles_by_config[key] = attempt.value
+        else:
+            rows[key] = {"tokens/s": np.nan, "note": f"out of memory ({attempt.error})"}
+step_table = pd.DataFrame(rows).T.rename_axis(["model", "batch"])
+step_table
+
+# %% [markdown]
+# Where does the time go? The category table of each configuration (shares of its GPU time; on a CPU, of
+# the CPU operators' self time), the split by phase, and the kernels that took the longest in one of them.
+
+# %%
+categories = pd.DataFrame({f"{m} bs{b}": p.categories()["share"] * 100 for (m, b), p in profiles_by_config.items()})
+categories.rename_axis("% of the GPU time" if prof.on_gpu else "% of the CPU operators' self time")
+
+# %%
+phase_table = pd.concat({f"{m} bs{b}": p.phases() for (m, b), p in profiles_by_config.items()}, names=["config"])
+phase_table
+
+# %%
+big_bert = ("bert-large-uncased", SETUPS["bert-large-uncased"]["batches"][-1])
+top = profiles_by_config[big_bert].top_kernels(10, width=70) if big_bert in profiles_by_config else None
+top
+
+# %% tags=["remove-input"]
+if prof.on_gpu and profiles_by_config:
+    r = step_table
+    for m, b in profiles_by_config:
+        glue(f"busy_{m}_bs{b}", r.loc[(m, b), "GPU busy"])
+
+    def describe(key):
+        return (f"batch {key[1]}: GPU busy {r.loc[key, 'GPU busy']:.0%} of a {r.loc[key, 'wall median (ms)']:.0f} ms "
+                f"step, host enqueue {r.loc[key, 'host enqueue (ms)']:.0f} ms, *{r.loc[key, 'verdict']}*")
+
+    lines = []
+    for name in SETUPS:
+        keys = [k for k in profiles_by_config if k[0] == name]
+        if keys:
+            lines.append(f"- **{name}**, " + "; ".join(describe(k) for k in keys) + ".")
+    host_bound = [k for k in profiles_by_config if r.loc[k, "verdict"] == "host-bound"]
+    lines.append(
+        f"- **Host-bound at small batches.** In {len(host_bound)} of the {len(profiles_by_config)} configurations that "
+        f"fit, the CPU needs longer to issue a step's {min(p.launches_per_step for p in profiles_by_config.values()):,} "
+        f"or more kernel launches than the GPU needs to run them, and the GPU waits.")
+    l_keys = [k for k in profiles_by_config if k[0] == "polyglot-ko-1.3b"]
+    if len(l_keys) == 2:
+        (_, l0), (_, l1) = l_keys
+        lines.append(
+            f"  The 1.3B model took {r.loc[l_keys[0], 'wall median (ms)']:.0f} ms at batch {l0} and "
+            f"{r.loc[l_keys[1], 'wall median (ms)']:.0f} ms at batch {l1}, {l1 // l0} times the tokens: not inefficient "
+            f"small kernels, but a GPU waiting for its work.")
+        cat_l0 = profiles_by_config[l_keys[0]].categories()["share"]
+        lines.append(
+            f"- **What the GPU does when it works.** At batch {l0} the optimizer's kernels are {cat_l0['optimizer']:.0%} "
+            f"of the 1.3B model's GPU time: AdamW reads and writes 28 bytes per parameter (section 8.3), whatever the "
+            f"batch.")
+    if big_bert in profiles_by_config:
+        pb = profiles_by_config[big_bert]
+        cat_b = pb.categories()["share"]
+        ev = pb.gpu_events
+        ew = ev[[profiler.kernel_category(n, cat=c, phase=ph) == "element-wise / normalisation"
+                 for n, c, ph in zip(ev["name"], ev["cat"], ev["phase"])]]
+        copies = ew[ew["name"].str.contains("copy_kernel")]
+        fwd_share = copies.loc[copies["phase"] == "forward", "dur_us"].sum() / copies["dur_us"].sum()
+        lines.append(
+            f"  At batch {big_bert[1]}, bert-large spends {cat_b['GEMM']:.0%} of its GPU time in matrix products, "
+            f"{cat_b['attention']:.0%} in attention and {cat_b['element-wise / normalisation']:.0%} in element-wise and "
+            f"normalisation kernels. {copies['dur_us'].sum() / ew['dur_us'].sum():.0%} of the latter are copy kernels "
+            f"(`direct_copy`, `bfloat16_copy`): dtype conversions and layout copies, autocast's casts to 16 bits among "
+            f"them; {fwd_share:.0%} of their time is in the forward pass.")
+    display(Markdown("\n".join(lines)))
+elif prof.on_gpu:
+    print("no configuration fit this GPU")
+else:
+    print("skipped on CPU: GPU-busy and kernel counts need a GPU (the tables above show CPU operator time)")
+
+# %% [markdown]
+# GPU busy is the GPU's busy time in the profiled steps divided by the *unprofiled* median wall time: the
+# profiler slows the host (compare the last-but-two column with the wall median), which would make a
+# host-bound step look idler than it is.
+#
+# **The timeline.** The same information as a picture: one profiled step of bert-large at each batch size,
+# drawn from the trace. The top rows are the CPU (the phases, then the operators it dispatched on the main
+# thread and on the autograd engine's thread); then the GPU's stream, every kernel drawn at its true width
+# and coloured by category (microsecond kernels are thin lines); the last row shows, slice by slice, the
+# fraction of time the GPU was busy. White space there is time in which the GPU had nothing to do. These are
+# profiled steps: the profiler slows the CPU, so they are longer than the timed ones.
+
+# %%
+bert_keys = [k for k in profiles_by_config if k[0] == "bert-large-uncased"]
+fig, axes = plt.subplots(len(bert_keys), 1, figsize=(11, 3.4 * len(bert_keys)))
+for ax, key in zip(np.atleast_1d(axes), bert_keys):
+    p = profiles_by_config[key]
+    start_us, end_us = p.windows_us[0]
+    busy = f", GPU busy {p.busy_us_per_step()[0] / (end_us - start_us):.0%}" if p.on_gpu else " (CPU run: no GPU rows)"
+    profiler.timeline(p, ax=ax, title=f"bert-large, batch {key[1]}: one profiled step, {(end_us - start_us) / 1e3:.0f} ms{busy}")
+fig.tight_layout()
+
+# %% [markdown]
+# The trace files are in `notebooks/traces/` (not part of the repository: run the notebook to make them).
+# Open one at [ui.perfetto.dev](https://ui.perfetto.dev) (or `chrome://tracing`) to zoom into single
+# kernels, see their launch arrows from the CPU, and read each kernel's grid size and duration.
+
+# %%
+sorted(str(p.trace_path) for p in profiles_by_config.values())
+
+# %% [markdown]
+# ## 8.3 The three regimes, and the fix for each
+#
+# A training step is limited by one of three things, and each has its own fix:
+#
+# | regime | symptom | fix |
+# |---|---|---|
+# | **host-bound** (launch-bound) | GPU busy ≪ 100%; host enqueue ≈ wall time; step time flat in the batch size | more work per kernel (larger batch), fewer launches (fused kernels, CUDA graphs, `torch.compile`) |
+# | **memory-bandwidth-bound** | GPU busy; kernels move many bytes per FLOP (element-wise, normalisation, optimizer) | fewer passes over memory: fused kernels (fused AdamW, fused attention) |
+# | **compute-bound** | GPU busy; time in large GEMMs near the measured matmul ceiling | less arithmetic (no recomputation), lower precision, better shapes |
+#
+# ### Host-bound: step time against batch size
+#
+# Chapter 3 trained the 1.3B model with fp16 weights, eager attention and 256 tokens and found a step time
+# that barely changed with the batch size. Here is that setup again, timed with `time_it` (10 repeats,
+# spread shown) with the GPU-busy fraction at each batch size. Each synchronised call starts with an idle
+# GPU, which a training loop does not: there the CPU issues step n+1 while the GPU finishes step n. So
+# `time_it(..., loop=3)` also times three steps back to back with one synchronisation (10 repeats), and
+# the throughput column comes from that.
+#
+# A warning before reading the numbers: a host-bound step is timed on the CPU, and on a shared machine the CPU's speed changes from minute to minute. Compare the IQRs of the small batches with those of the large, GPU-bound ones, and expect the small batches' times to move between runs.
+
+# %%
+def ch3_step(batch_size):
+    """Chapter 3's 1.3B setup: fp16 weights (fp32 on a CPU), eager attention, plain AdamW."""
+    dtype = torch.float16 if prof.on_gpu else torch.float32
+    model = models.build("polyglot-ko-1.3b", head="causal-lm", dtype=dtype, attn_implementation="eager").train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    batch = make_batch("polyglot-ko-1.3b", batch_size)
+
+    def step():
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return timing.time_it(step, device=dev, warmup=2, repeat=10, loop=3)
+
+
+sweep = {}
+for bs in prof.pick(tiny=[1, 2, 4], full=[1, 2, 4, 8, 16, 32, 64]):
+    attempt = batching.try_batch(ch3_step, bs)
+    if not attempt.fits:
+        sweep[bs] = {"note": f"out of memory ({attempt.error})"}
+        break  # larger batches will not fit either
+    t = attempt.value
+    sweep[bs] = {**t.summary(), "tokens/s": bs * SETUPS["polyglot-ko-1.3b"]["seq_len"] / t.loop.median, "timed": t}
+sweep_timed = {bs: row.pop("timed") for bs, row in sweep.items() if "timed" in row}
+first_bs = min(sweep_timed)
+for bs, t in sweep_timed.items():  # is this batch's step slower than batch 1's, beyond the noise?
+    sweep[bs]["vs batch 1"] = timing.compare({"b1": sweep_timed[first_bs], "b": t}, "b1")["b"]["difference"]
+sweep_table = pd.DataFrame(sweep).T.rename_axis("batch")
+sweep_table
+
+# %%
+ok = sweep_table.dropna(subset=["wall median (ms)"])
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+x = ok.index.to_numpy(float)
+lo = ok["wall median (ms)"] - ok["wall min (ms)"]
+hi = ok["wall max (ms)"] - ok["wall median (ms)"]
+seq_sweep = SETUPS["polyglot-ko-1.3b"]["seq_len"]
+ax1.errorbar(x, ok["wall median (ms)"], yerr=[lo, hi], fmt="o-", capsize=3, label="wall time, synchronised (median, min-max)")
+ax1.plot(x, ok["back to back, per call (ms)"], "d-", label="back to back, per step (median)")
+if prof.on_gpu:
+    ax1.plot(x, ok["host enqueue median (ms)"], "s--", label="host enqueue (median)")
+    ax1.plot(x, ok["GPU kernel time (ms)"], "^:", label="GPU kernel time")
+ax1.set_xscale("log", base=2)
+ax1.set_xticks(x, [str(int(v)) for v in x])
+ax1.set_xlabel(f"batch size (sequences of {seq_sweep} tokens)")
+ax1.set_ylabel("time per step (ms)")
+ax1.set_ylim(bottom=0)
+ax1.legend()
+ax1.set_title("step time: flat while the host is the limit")
+if prof.on_gpu:
+    ax2.plot(x, ok["GPU busy"].astype(float) * 100, "o-", color="C2")
+    ax2.set_ylim(0, 105)
+    ax2.set_ylabel("GPU busy (% of the step)")
+else:
+    ax2.text(0.5, 0.5, "GPU busy needs a GPU", ha="center", va="center", transform=ax2.transAxes)
+ax2.set_xscale("log", base=2)
+ax2.set_xticks(x, [str(int(v)) for v in x])
+ax2.set_xlabel(f"batch size (sequences of {seq_sweep} tokens)")
+ax2.set_title("GPU busy rises with the batch")
+fig.suptitle(prof.pick(tiny="the 1.3B model's tiny twin (CPU run)", full="1.3B GPT-NeoX")
+             + ", chapter 3's setup (fp16 weights on a GPU, eager attention)")
+fig.tight_layout()
+
+# %% tags=["remove-input"]
+if prof.on_gpu and len(ok) >= 3:
+    b0, bl = ok.index[0], ok.index[-1]
+    not_slower = [b for b in ok.index if ok.loc[b, "vs batch 1"] != "slower"]
+    same_end = max(b for b in not_slower if all(ok.loc[c, "vs batch 1"] != "slower" for c in ok.index if c <= b))
+    glue("sweep_busy_first", ok.loc[b0, "GPU busy"])
+    glue("sweep_busy_last", ok.loc[bl, "GPU busy"])
+    ops_ratio = ok.loc[bl, "GPU ops per call"] / ok.loc[b0, "GPU ops per call"]
+    flat = (f"Up to batch {same_end} the synchronised step time is not slower than batch {b0}'s beyond the noise "
+            f"(the *vs batch 1* column; batch {b0}: {ok.loc[b0, 'wall median (ms)']:.0f} ms, IQR "
+            f"{ok.loc[b0, 'wall IQR (ms)']:.0f} ms), while the tokens per step grow {same_end // b0} times. "
+            if same_end > b0 else
+            f"Here the step time already grows beyond the noise at batch {ok.index[1]}, though far less than the tokens. ")
+    display(Markdown(
+        flat + f"At batch {b0} the "
+        f"host needs {ok.loc[b0, 'host enqueue median (ms)']:.0f} ms to issue a step and the GPU is busy "
+        f"{ok.loc[b0, 'GPU busy']:.0%} of the time. Back to back, a step takes {ok.loc[b0, 'back to back, per call (ms)']:.0f} ms "
+        f"(IQR {ok.loc[b0, 'back to back IQR (ms)']:.0f}) against {ok.loc[b0, 'wall median (ms)']:.0f} ms synchronised: "
+        + ("less, because the CPU issues the next step while the GPU finishes this one. "
+           if ok.loc[b0, 'back to back, per call (ms)'] < ok.loc[b0, 'wall median (ms)'] - ok.loc[b0, 'wall IQR (ms)'] else
+           "no faster beyond the noise: a host-bound step leaves the GPU little work to overlap with the next one. ")
+        + f"Only when the GPU's work "
+        f"outgrows the host's does the step time rise: at batch {bl} the GPU is busy {ok.loc[bl, 'GPU busy']:.0%} of "
+        f"{ok.loc[bl, 'wall median (ms)']:.0f} ms, and throughput is {ok.loc[bl, 'tokens/s'] / ok.loc[b0, 'tokens/s']:.1f} "
+        f"times that of batch {b0}. There the host enqueue time grows too ({ok.loc[bl, 'host enqueue median (ms)']:.0f} ms "
+        f"for only {ops_ratio:.2f} times the operations): the CPU is not slower, it is *blocked*, waiting for room in "
+        f"the GPU's launch queue. **The first fix for a host-bound step is a larger batch**: the extra work is almost "
+        f"free until the GPU becomes the limit."
+    ))
+else:
+    print("skipped on CPU: the host/GPU split needs a GPU")
+
+# %% [markdown]
+# ### Host-bound: CUDA graphs
+#
+# When the batch cannot grow (memory, or the optimisation needs small batches), the other fix is to make
+# the launches cheaper. A **CUDA graph** records a whole sequence of kernels once and replays it with a
+# single launch: the CPU no longer dispatches each operator. Its price: everything must be static (same
+# shapes, same memory addresses; new data is *copied into* the captured input tensors), no operation in
+# the step may synchronise with the CPU, and the optimizer must keep its step counter on the GPU
+# (`capturable=True`). The recipe from PyTorch's documentation, for a whole training step:
+#
+# ```python
+# optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, capturable=True)
+# static_batch = {k: v.clone() for k, v in batch.items()}
+# side = torch.cuda.Stream()                     # warm up on a side stream, as the docs require
+# side.wait_stream(torch.cuda.current_stream())
+# with torch.cuda.stream(side):
+#     for _ in range(3):
+#         train_step(static_batch)
+# torch.cuda.current_stream().wait_stream(side)
+# graph = torch.cuda.CUDAGraph()
+# optimizer.zero_grad(set_to_none=True)          # the graph allocates the gradients itself
+# with torch.cuda.graph(graph):
+#     with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+#         loss = model(**static_batch).loss
+#     loss.backward()
+#     optimizer.step()
+# # each training step: copy the new batch into static_batch, then graph.replay()
+# ```
+#
+# Below, bert-large at batch 4 (host-bound above), eager against graph-replayed, each timed with `time_it`.
+
+# %%
+def graph_vs_eager(name, batch_size):
+    """Time one training step eager (default AdamW), eager with a capturable AdamW, and as a CUDA graph."""
+    model, optimizer = build(name)
+    batch = make_batch(name, batch_size)
+    out = {"eager": timing.time_it(make_step(model, optimizer, batch), device=dev)}
+    del optimizer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, capturable=True)
+    eager_step = make_step(model, optimizer, batch)
+    out["eager, capturable AdamW"] = timing.time_it(eager_step, device=dev)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            eager_step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    optimizer.zero_grad(set_to_none=True)
+    try:
+        with torch.cuda.graph(graph):
+            with torch.autocast("cuda", dtype=AMP, cache_enabled=False):
+                loss = model(**batch).loss
+            loss.backward()  # (in fp16 a real run would also scale the loss; here only the speed matters)
+            optimizer.step()
+        out["CUDA graph (capturable AdamW)"] = timing.time_it(graph.replay, device=dev)
+    except RuntimeError as err:  # an operation that cannot be captured
+        out["capture failed"] = str(err).splitlines()[0]
+    return out
+
+
+graph_result = None
+if profiles.cuda_or_skip("CUDA graphs need a GPU"):
+    graph_bs = SETUPS["bert-large-uncased"]["batches"][0]
+    graph_result = graph_vs_eager("bert-large-uncased", graph_bs)
+    timed = {k: v for k, v in graph_result.items() if isinstance(v, timing.Timed)}
+    graph_table = pd.DataFrame({k: t.summary() for k, t in timed.items()}).T
+    graph_table["launch calls per step"] = pd.Series({k: t.profile.launches_per_step for k, t in timed.items()})
+    graph_table["vs eager"] = pd.Series({k: f"{v['speed-up']:.2f}x, {v['difference']}"
+                                         for k, v in timing.compare(timed, "eager").items()})
+    if "capture failed" in graph_result:
+        print("capture failed:", graph_result["capture failed"])
+    display(graph_table)
+    graph_cats = pd.DataFrame({k: t.profile.categories(use_phases=False)["GPU time (ms/step)"] for k, t in timed.items()})
+    display(graph_cats.rename_axis("GPU time per step (ms), by kernel name"))
+    if "CUDA graph (capturable AdamW)" in timed:
+        display(timed["CUDA graph (capturable AdamW)"].profile.top_kernels(6, width=70).rename_axis("kernels of the replay"))
+
+# %% tags=["remove-input"]
+if graph_result and "CUDA graph (capturable AdamW)" in graph_result:
+    e0, e, g = (graph_result[k] for k in ("eager", "eager, capturable AdamW", "CUDA graph (capturable AdamW)"))
+    cmp = timing.compare({"eager": e0, "graph": g}, "eager")["graph"]
+    glue("graph_speedup", cmp["speed-up"])
+    attn_e, attn_g = graph_cats.loc["attention", "eager, capturable AdamW"], graph_cats.loc["attention", "CUDA graph (capturable AdamW)"]
+    text = (
+        f"Replaying the captured step takes {g.wall.median * 1e3:.1f} ms (IQR {g.wall.iqr * 1e3:.2f}) against "
+        f"{e0.wall.median * 1e3:.1f} ms (IQR {e0.wall.iqr * 1e3:.1f}) for the ordinary eager step: {cmp['speed-up']:.1f} times "
+        f"the speed ({cmp['difference']}). A capturable AdamW alone makes the eager step slower "
+        f"({e.wall.median * 1e3:.1f} ms, {e.profile.launches_per_step:,} launch calls instead of "
+        f"{e0.profile.launches_per_step:,}): it keeps its step counters on the GPU and launches more kernels. The "
+        f"graph replays everything with {g.profile.launches_per_step} launch call(s); the GPU is busy {g.gpu_busy:.0%} of "
+        f"the time instead of {e0.gpu_busy:.0%}, and the CPU issues the whole step in {g.host.median * 1e3:.2f} ms. "
+    )
+    if g.kernel_s > 1.1 * e.kernel_s:
+        text += (f"The win comes despite *more* GPU work: {g.kernel_s * 1e3:.1f} ms of kernel time replayed against "
+                 f"{e.kernel_s * 1e3:.1f} ms eager with the same optimizer. ")
+    if attn_g < 0.2 * attn_e:
+        text += (f"The category table shows where it comes from: no kernel of the replay has an attention kernel's name "
+                 f"(eager: {attn_e:.1f} ms), while its matrix products and element-wise kernels grew: during capture, "
+                 f"attention ran in a different implementation, built from ordinary matrix products and element-wise "
+                 f"kernels (the replay's top kernels above). Which attention kernel runs, and how to choose one, is "
+                 f"chapter 9's subject. ")
+    text += "Chapter 9 also gets a graph's effect with less ceremony, from `torch.compile(mode=\"reduce-overhead\")`."
+    display(Markdown(text))
+elif graph_result:
+    print("the capture failed on this setup; see the message above")
+
+# %% [markdown]
+# ### Memory-bandwidth-bound: the optimizer step and element-wise kernels
+#
+# An element-wise kernel does a few FLOPs per byte it reads and writes, so its speed is set by memory
+# bandwidth. The yardstick is a plain device-to-device copy, the fastest any kernel can stream through
+# memory. AdamW is such a kernel: for each fp32 parameter it must read the parameter, its gradient and the
+# two moments (16 bytes) and write back the parameter and the moments (12 bytes), at least **28 bytes per
+# parameter**. PyTorch's default `foreach` implementation does this in several passes (one per arithmetic
+# step, each over whole lists of tensors); `fused=True` does it in one kernel. Timed on bert-large's
+# parameters (random gradients), against the copy:
+
+# %%
+def bandwidth_gib_s(nbytes, t):
+    return nbytes / GIB / t.wall.median
+
+
+bw_rows, bw_timings = {}, {}
+copy_elems = prof.pick(tiny=2**22, full=2**28)  # 1 GiB of fp32 on the GPU
+src = torch.randn(copy_elems, device=dev)
+dst = torch.empty_like(src)
+t = timing.time_it(lambda: dst.copy_(src), device=dev)
+bw_rows["device-to-device copy"] = {"bytes moved (GiB)": 2 * src.nbytes / GIB, **t.summary()}
+x16 = src.to(AMP if prof.on_gpu else torch.float32)
+t = timing.time_it(lambda: torch.nn.functional.gelu(x16), device=dev)
+bw_rows["GeLU (16-bit)"] = {"bytes moved (GiB)": 2 * x16.nbytes / GIB, **t.summary()}
+cleanup.free(globals(), "src", "dst", "x16")
+
+model = build("bert-large-uncased")[0]
+params = list(model.parameters())
+for param in params:
+    param.grad = torch.randn_like(param) * 1e-3
+n_params = sum(param.numel() for param in params)
+for impl in ("foreach", "fused"):
+    opt = torch.optim.AdamW(params, lr=1e-5, **{impl: True})
+    bw_timings[impl] = t = timing.time_it(opt.step, device=dev, warmup=2, repeat=10)
+    bw_rows[f"AdamW step ({impl})"] = {"bytes moved (GiB)": 28 * n_params / GIB, **t.summary()}
+    del opt
+cleanup.free(globals(), "model", "params", "param")
+bw_table = pd.DataFrame(bw_rows).T
+bw_table["achieved, by wall time (GiB/s)"] = bw_table["bytes moved (GiB)"] / (bw_table["wall median (ms)"] / 1e3)
+if prof.on_gpu:
+    bw_table["achieved, by kernel time (GiB/s)"] = bw_table["bytes moved (GiB)"] / (bw_table["GPU kernel time (ms)"] / 1e3)
+bw_table
+
+# %% tags=["remove-input"]
+if prof.on_gpu:
+    wall_bw, kern_bw = bw_table["achieved, by wall time (GiB/s)"], bw_table["achieved, by kernel time (GiB/s)"]
+    copy_bw, copy_kbw = wall_bw["device-to-device copy"], kern_bw["device-to-device copy"]
+    fe, fu = bw_table.loc["AdamW step (foreach)"], bw_table.loc["AdamW step (fused)"]
+    cmp = timing.compare({"foreach": bw_timings["foreach"], "fused": bw_timings["fused"]}, "foreach")["fused"]
+    glue("copy_gib_s", copy_bw)
+    glue("adam_fused_speedup", cmp["speed-up"])
+    try:
+        sheet = flops.peak_bandwidth_gb_s(torch.cuda.get_device_name()) * 1e9 / GIB
+        sheet_txt = f", {copy_kbw / sheet:.0%} of the datasheet's {sheet:,.0f} GiB/s"
+    except ValueError:  # a GPU without a datasheet entry
+        sheet_txt = ""
+    display(Markdown(
+        f"The copy streams {copy_bw:,.0f} GiB/s by wall time and {copy_kbw:,.0f} GiB/s by kernel time{sheet_txt} (bytes "
+        f"read plus bytes written). GeLU reaches {kern_bw['GeLU (16-bit)'] / copy_kbw:.0%} of the copy's kernel-time rate: "
+        f"an element-wise kernel is as fast as memory lets it be, and its FLOPs do not matter.\n\n"
+        f"The fused AdamW step takes {fu['wall median (ms)']:.1f} ms with {int(fu['GPU ops per call'])} GPU operations; "
+        f"`foreach` takes {fe['wall median (ms)']:.1f} ms with {int(fe['GPU ops per call'])}: fused is "
+        f"{cmp['speed-up']:.1f} times as fast ({cmp['difference']}). Two things are going on. On the GPU, the fused "
+        f"kernels move the 28 bytes per parameter at {kern_bw['AdamW step (fused)']:,.0f} GiB/s of kernel time "
+        f"({kern_bw['AdamW step (fused)'] / copy_kbw:.0%} of the copy's), while `foreach`'s kernels reach an *effective* "
+        f"{kern_bw['AdamW step (foreach)']:,.0f} GiB/s, because they read and write the states several times: "
+        f"{fe['GPU kernel time (ms)']:.1f} ms of kernel time against {fu['GPU kernel time (ms)']:.1f}. And neither "
+        f"keeps the GPU fully busy ({fe['GPU busy']:.0%} and {fu['GPU busy']:.0%}): the CPU needs "
+        f"{fe['host enqueue median (ms)']:.1f} and {fu['host enqueue median (ms)']:.1f} ms to issue them. "
+        f"**The fix for a memory-bound step is fewer passes over memory**, and fewer passes also mean fewer launches."
+    ))
+else:
+    print("skipped on CPU: bandwidth numbers need a GPU")
+
+# %% [markdown]
+# ### Compute-bound: how close do the matrix products get?
+#
+# The matrix products are the only part of a transformer whose arithmetic matters. Two ceilings: the
+# datasheet's dense peak, and the rate a large square product reaches on this GPU (section 8.1). From the
+# bert-large profile at the larger batch we can also compute what the GEMM kernels achieved *inside* the
+# model: the model's matrix-product FLOPs per step (six per weight per token, chapter 5's rule, without the
+# attention term, which runs in the attention kernels) over the GPU time of the GEMM category.
+
+# %%
+ceiling_rows = {}
+if prof.on_gpu:
+    ceiling_rows[f"{n} x {n} product, by wall time"] = matmul_flop / mm.wall.median / 1e12
+    ceiling_rows[f"{n} x {n} product, by kernel time"] = matmul_flop / mm.kernel_s / 1e12
+    if peak:
+        ceiling_rows["datasheet dense peak"] = peak
+    if big_bert in profiles_by_config:
+        meta = models.build("bert-large-uncased", head="sequence-classification", device="meta")
+        tokens = big_bert[1] * SETUPS["bert-large-uncased"]["seq_len"]
+        gemm_flop = 6 * flops.matmul_params(meta) * tokens
+        gemm_s = profiles_by_config[big_bert].categories().loc["GEMM", "GPU time (ms/step)"] / 1e3
+        ceiling_rows[f"GEMM kernels inside bert-large, batch {big_bert[1]}, by kernel time"] = gemm_flop / gemm_s / 1e12
+        del meta
+    ceiling = pd.Series(ceiling_rows, name="TFLOP/s").to_frame()
+    glue("gemm_in_model_tflops", ceiling_rows.get(f"GEMM kernels inside bert-large, batch {big_bert[1]}, by kernel time", float("nan")))
+    display(ceiling)
+else:
+    print("skipped on CPU: tensor-core rates need a GPU")
+
+# %% tags=["remove-input"]
+if prof.on_gpu and len(ceiling_rows) >= 2:
+    inside = ceiling_rows.get(f"GEMM kernels inside bert-large, batch {big_bert[1]}, by kernel time")
+    measured = ceiling_rows[f"{n} x {n} product, by wall time"]
+    measured_k = ceiling_rows[f"{n} x {n} product, by kernel time"]
+    text = (f"The {n} x {n} product reaches {measured:,.0f} TFLOP/s by wall time, {measured_k:,.0f} by kernel time"
+            + (f" ({measured_k / peak:.0%} of the datasheet's {peak:,.0f})" if peak else "") + ". ")
+    if inside:
+        tokens_b = big_bert[1] * SETUPS["bert-large-uncased"]["seq_len"]
+        text += (f"Inside bert-large at batch {big_bert[1]} the GEMM kernels achieve {inside:,.0f} TFLOP/s of kernel "
+                 f"time, {inside / measured_k:.0%} of the large product's kernel-time rate: with {tokens_b:,} tokens per step, its products "
+                 f"({tokens_b:,} x 1024 x 4096 and the like) are large enough for the tensor cores. The time of such a "
+                 f"step is then set by everything *around* the GEMMs: the element-wise kernels and the casts "
+                 f"(section 8.2's table) and the optimizer. When a step is GPU-bound and its time is in GEMMs, the "
+                 f"remaining levers are less arithmetic (no recomputation, chapter 4), lower precision (chapter 5) and "
+                 f"shapes the tensor cores like (chapter 5).")
+    display(Markdown(text))
+
+# %% [markdown]
+# ## 8.4 Memory over time
+#
+# Chapter 1 measured memory phase by phase with `reset_peak_memory_stats`. PyTorch can also record *every*
+# allocation and free, with the Python stack that made it: `torch.cuda.memory._record_memory_history()`
+# and `torch.cuda.memory._snapshot()`, the data behind PyTorch's interactive viewer at
+# [pytorch.org/memory_viz](https://pytorch.org/memory_viz). `memsnap.record()` wraps both, and
+# `memsnap.plot` draws the timeline as stacked areas, coloured by where each allocation was made: in a
+# module's `forward`, in the autograd engine (`backward`), in `torch.optim` (`optimizer`), or before
+# recording began (the weights and optimizer states).
+
+# %%
+snap = None
+if profiles.cuda_or_skip("the allocator's history is CUDA-only"):
+    snap_bs = SETUPS["bert-large-uncased"]["batches"][0]
+    model, optimizer = build("bert-large-uncased")
+    step = make_step(model, optimizer, make_batch("bert-large-uncased", snap_bs))
+    step()  # AdamW creates its states in the first step: record a later one
+    torch.cuda.reset_peak_memory_stats()
+    with memsnap.record() as snap:
+        step()
+    allocator_peak = torch.cuda.max_memory_allocated()
+    fig = memsnap.plot(snap, title=f"one bert-large training step (batch {snap_bs}): allocated memory, event by event")
+    states_gib = (accounting.param_bytes(model) + accounting.optimizer_state_bytes(optimizer)) / GIB
+    memsnap.save_html(snap, TRACES / "bert_step_memory.html")
+    snap_check = pd.Series({
+        "peak in the recorded history (GiB)": memsnap.peak_bytes(snap) / GIB,
+        "allocator's peak, max_memory_allocated (GiB)": allocator_peak / GIB,
+        "before the step (GiB)": snap.baseline_bytes / GIB,
+    })
+    assert abs(memsnap.peak_bytes(snap) - allocator_peak) <= MIB, "the history and the allocator disagree"
+    display(snap_check.to_frame("value"))
+
+# %% [markdown]
+# Read it left to right. The forward pass (blue) rises as each layer saves its activations; the backward
+# pass frees them layer by layer (blue shrinks) while the gradients it produces grow (orange); then the
+# optimizer allocates its temporaries (green) on top of the gradients, and `zero_grad(set_to_none=True)`
+# gives the gradients back. The interactive page (`traces/bert_step_memory.html`, with the raw snapshot
+# beside it) shows the same history with every block's stack trace.
+
+# %% tags=["remove-input"]
+if snap is not None:
+    at_peak = memsnap.peak_event(snap)
+    origin_at_peak = at_peak["event"].split(" ", 1)[1]
+    others = {c: at_peak[c] / GIB for c in ("forward", "backward", "optimizer") if at_peak[c] > 0}
+    timeline_df = memsnap.timeline(snap)
+    opt_max = timeline_df["optimizer"].max() / GIB
+    display(Markdown(
+        f"Here the peak, {at_peak['total'] / GIB:.2f} GiB, is reached by an allocation of the **{origin_at_peak}** "
+        f"phase; at that moment the step holds "
+        + ", ".join(f"{v:.2f} GiB from the {k}" for k, v in others.items())
+        + f" on top of the {at_peak['before recording'] / GIB:.2f} GiB allocated before the step ({states_gib:.2f} GiB of "
+        f"weights and optimizer states, the rest cuBLAS workspaces). The "
+        f"optimizer's temporaries reach {opt_max:.2f} GiB at their highest. Which of the two spikes is higher depends "
+        f"on the batch and the model: activations grow with the batch, the optimizer's temporaries do not (chapter 1 "
+        f"found the peak in the backward pass for bert-large and at the optimizer step for the 1.3B model)."
+    ))
+
+# %% [markdown]
+# **Finding a leak.** A common bug: a forward hook that stores each layer's output "for analysis" and is
+# never removed. Every step then keeps 24 more tensors alive. The allocated memory after each step grows,
+# and `memsnap.survivors` lists the allocations made during the recording that are still alive at its end,
+# grouped by the code that made them: the innermost frame (*allocated in*) and the innermost frame of our
+# own code (*called from*).
+
+# %%
+if snap is not None:
+    kept = []
+    hooks = [layer.register_forward_hook(lambda mod, args, out: kept.append(out[0] if isinstance(out, tuple) else out))
+             for layer in model.bert.encoder.layer]
+    after_step_mib = {}
+    with memsnap.record() as leak_rec:
+        for i in range(3):
+            step()
+            after_step_mib[f"after step {i + 1}"] = torch.cuda.memory_allocated() / MIB
+    display(pd.Series(after_step_mib, name="allocated (MiB)").to_frame())
+    display(memsnap.survivors(leak_rec, top=3))
+
+# %% tags=["remove-input"]
+if snap is not None:
+    growth = np.diff(list(after_step_mib.values()))
+    leaks = memsnap.survivors(leak_rec, top=3)
+    (top_in, top_from), top_row = leaks.index[0], leaks.iloc[0]
+    display(Markdown(
+        f"Allocated memory grows by {growth.mean():.0f} MiB per step. The largest survivors, {top_row['allocations']:.0f} "
+        f"allocations and {top_row['MiB']:.0f} MiB, were made in `{top_in}` called from `{top_from}`: "
+        f"{top_row['allocations'] / 3:.0f} tensors per step, one per layer. Something keeps every layer's output "
+        f"alive: the hook. Removing the hooks and the list gives the memory back:"
+    ))
+
+# %%
+if snap is not None:
+    for h in hooks:
+        h.remove()
+    kept.clear()
+    cleanup.collect()
+    print(f"allocated after removing the hooks: {torch.cuda.memory_allocated() / MIB:,.0f} MiB "
+          f"(before the leak: {snap.baseline_bytes / MIB:,.0f} MiB)")
+
+# %% [markdown]
+# **Reading an out-of-memory message.** When an allocation fails, PyTorch's message says more than "out of
+# memory". Here we cap the allocator at 1 GiB above what is allocated now (`measure.gpu_budget`, as in
+# chapter 1's T4 emulation) and ask for 2 GiB:
+
+# %%
+oom_message = None
+if snap is not None:
+    budget_gib = torch.cuda.memory_allocated() / GIB + 1.0
+    with measure.gpu_budget(budget_gib):
+        try:
+            torch.empty(2 * GIB, dtype=torch.uint8, device="cuda")
+        except torch.OutOfMemoryError as err:
+            oom_message = str(err)
+    print(textwrap.fill(oom_message, 110))
+    oom_numbers = {"cap (GiB)": budget_gib, "allocated before the request (GiB)": torch.cuda.memory_allocated() / GIB,
+                   "reserved before the request (GiB)": torch.cuda.memory_reserved() / GIB, "request (GiB)": 2.0}
+
+# %% [markdown]
+# Its parts, in order:
+#
+# - **Tried to allocate**: the one request that failed, not the total the program needs;
+# - **total capacity ... of which ... is free**: the card as the driver sees it (here the card is much
+#   larger than the cap we set, so the failure is PyTorch's own limit, as it would be on a smaller card);
+# - **this process has ... memory in use**: everything this process holds, the CUDA context included;
+#   **... allowed**: the cap, when one was set with `set_per_process_memory_fraction`;
+# - **allocated by PyTorch**: live tensors (of which some may sit in *private pools*, the memory CUDA
+#   graphs keep for themselves); **reserved by PyTorch but unallocated**: cached blocks that no tensor
+#   uses. When that last number is large, memory exists but in pieces too small for the request
+#   (fragmentation), which is what the `expandable_segments` hint is about (section 8.5).
+#
+# The first number tells you what to shrink; the last two tell you whether shrinking is needed at all. On
+# the way to this message the allocator has already handed its unused cached segments back to the driver
+# and retried, so the "reserved but unallocated" memory it reports is what it could not give back: free
+# pieces inside segments that still hold live tensors.
+
+# %% tags=["remove-input"]
+if oom_message:
+    o = oom_numbers
+    display(Markdown(
+        f"Here: the cap was {o['cap (GiB)']:.2f} GiB, {o['allocated before the request (GiB)']:.2f} GiB were allocated, "
+        f"so at most {o['cap (GiB)'] - o['allocated before the request (GiB)']:.2f} GiB were left for a request of "
+        f"{o['request (GiB)']:.0f} GiB. The difference between the process's memory in use and PyTorch's reserved "
+        f"memory in the message is the CUDA context and the libraries' own memory, which PyTorch's allocator never sees."
+    ))
+
+# %%
+if snap is not None:
+    cleanup.free(globals(), "model", "optimizer", "step", "kept", "hooks")
+
+# %% [markdown]
+# ## 8.5 The caching allocator
+#
+# `cudaMalloc` and `cudaFree` are slow (and `cudaFree` synchronises the device), so PyTorch keeps freed blocks in a
+# cache and reuses them (chapter 1's *reserved* memory). With fixed shapes this works perfectly: every step
+# asks for the same sizes. With **variable-length batches** (chapter 3's padded and unpadded batches), each
+# step asks for different sizes; a cached block may be split to serve a smaller request, and the pieces
+# may not fit the next larger one, so the allocator must `cudaMalloc` more. Reserved memory then grows
+# above what is really used. When the card is full, the allocator first hands its unused cached segments
+# back and retries (`num_alloc_retries` counts this, and each retry costs synchronising `cudaFree` and
+# `cudaMalloc` calls); what it cannot hand back are free pieces inside segments that still hold live
+# tensors (*inactive split* blocks), and that fragmentation can make an allocation fail while memory is free.
+#
+# `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` changes the allocator's strategy: instead of many
+# separately allocated segments, it reserves a large virtual address range per stream and maps physical
+# memory into it in 2 MiB pages as needed, so a segment grows by pages and freed pages can be unmapped. It
+# must be set before CUDA starts, so we run the same workload twice in fresh processes
+# (`scripts/alloc_churn.py`): bert-large, batch 8, a random length between 32 and 512 tokens each step,
+# 40 steps.
+
+# %%
+churn = {}
+if profiles.cuda_or_skip("the caching allocator is CUDA's"):
+    for label, conf in (("default", ""), ("expandable_segments", "expandable_segments:True")):
+        out = TRACES / f"churn_{label}.json"
+        env_vars = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+        if conf:
+            env_vars["PYTORCH_CUDA_ALLOC_CONF"] = conf
+        proc = subprocess.run([sys.executable, "scripts/alloc_churn.py", "--out", str(out)], env=env_vars,
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"alloc_churn.py failed:\n{proc.stderr[-3000:]}")
+        churn[label] = json.loads(out.read_text())
+    counters = pd.DataFrame({k: v["counters"] for k, v in churn.items()})
+    display(counters)
+
+# %%
+if churn:
+    d = {k: pd.DataFrame(v["steps"]) for k, v in churn.items()}
+    slack = {k: (df["reserved_mib"].max() - df["peak_allocated_mib"].max()) / 1024 for k, df in d.items()}
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for i, (label, result) in enumerate(churn.items()):
+        steps = pd.DataFrame(result["steps"])
+        ax.plot(steps["step"], steps["reserved_mib"] / 1024, "-", color=f"C{i}", label=f"reserved, {label}")
+        ax.plot(steps["step"], steps["peak_allocated_mib"] / 1024, ":", color=f"C{i}",
+                label=f"peak allocated, {label}")
+    ax.set_xlabel("training step (random sequence length each step)")
+    ax.set_ylabel("memory (GiB)")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="lower right", ncol=2)
+    ax.set_title(f"random lengths: reserved ends {slack['default']:.2f} GiB above the largest peak by default, "
+                 f"{slack['expandable_segments']:.2f} GiB with expandable_segments")
+    fig.tight_layout()
+
+# %% tags=["remove-input"]
+if churn:
+    glue("churn_reserved_default_gib", d["default"]["reserved_mib"].max() / 1024)
+    glue("churn_reserved_expandable_gib", d["expandable_segments"]["reserved_mib"].max() / 1024)
+    display(Markdown(
+        f"The steps needed at most {d['default']['peak_allocated_mib'].max() / 1024:.2f} GiB by default and "
+        f"{d['expandable_segments']['peak_allocated_mib'].max() / 1024:.2f} GiB with expandable segments. The tensors "
+        f"are the same; the small difference is rounding, since *allocated* counts the blocks the allocator hands out, "
+        f"and a block cut from a cached segment can be larger than the request. With the default allocator, reserved "
+        f"memory ended {slack['default']:.2f} GiB above the largest peak, after "
+        f"{counters.loc['device allocations (num_device_alloc)', 'default']:.0f} device allocations; with "
+        f"`expandable_segments` the slack was {slack['expandable_segments']:.2f} GiB. On this large card no step ran out, "
+        f"so the allocator never had to retry (both retry counters are "
+        f"{counters.loc['retries after flushing the cache (num_alloc_retries)'].max():.0f}); on a full card the default "
+        f"allocator's slack would have been given back at the price of retries, and its "
+        f"{counters.loc['inactive split blocks at the end (MiB)', 'default']:.0f} MiB of inactive split blocks could "
+        f"not. (With expandable segments the counters mean slightly different things: memory is mapped in pages "
+        f"into a growing range, not allocated as segments.)"
+    ))
+
+# %% [markdown]
+# **`empty_cache`** hands the cached blocks back to the driver. It does not free a single tensor, and the
+# next step has to `cudaMalloc` everything again. Its cost, on bert-large at the larger batch:
+
+# %%
+def time_empty_cache(batch_size):
+    """The bert-large step timed as it is and followed by ``torch.cuda.empty_cache()``."""
+    model, optimizer = build("bert-large-uncased")
+    step = make_step(model, optimizer, make_batch("bert-large-uncased", batch_size))
+
+    def step_and_empty():
+        step()
+        torch.cuda.empty_cache()
+
+    return {"step": timing.time_it(step, device=dev, busy=False),
+            "step + empty_cache": timing.time_it(step_and_empty, device=dev, busy=False)}
+
+
+ec = None
+if profiles.cuda_or_skip("empty_cache only matters on a GPU"):
+    for bs_ec in reversed(SETUPS["bert-large-uncased"]["batches"]):  # the larger batch, else the smaller one
+        attempt = batching.try_batch(time_empty_cache, bs_ec)
+        if attempt.fits:
+            ec = attempt.value
+            break
+        print(f"batch {bs_ec}: out of memory ({attempt.error})")
+    if ec:
+        ec_table = pd.DataFrame({k: t.summary() for k, t in ec.items()}).T
+        ec_table["vs step"] = pd.Series({k: f"{v['speed-up']:.2f}x, {v['difference']}"
+                                         for k, v in timing.compare(ec, "step").items()})
+        display(ec_table[["wall median (ms)", "wall IQR (ms)", "vs step"]].rename_axis(f"bert-large, batch {bs_ec}"))
+
+# %% tags=["remove-input"]
+if ec:
+    extra_ms = (ec["step + empty_cache"].wall.median - ec["step"].wall.median) * 1e3
+    display(Markdown(
+        f"Emptying the cache after every step costs {extra_ms:+.0f} ms per step here "
+        f"({timing.compare(ec, 'step')['step + empty_cache']['difference']}): every block of the next step is "
+        f"`cudaMalloc`ed again, and `empty_cache`'s own `cudaFree` calls synchronise the device. Use it when another process must "
+        f"get the memory, not as a habit inside a training loop."
+    ))
+
+# %% [markdown]
+# ## 8.6 Tools beyond PyTorch
+#
+# - **NVTX and Nsight Systems.** `torch.profiler` sees what PyTorch launches. NVIDIA's Nsight Systems
+#   (`nsys`) sees the whole process, including other libraries, CPU threads, the operating system and
+#   several GPUs, with low overhead. Mark the phases with NVTX ranges (they cost little when no tool
+#   listens), then profile from the command line:
+#
+#   ```python
+#   with torch.cuda.nvtx.range("forward"):
+#       loss = model(**batch).loss
+#   ```
+#
+#   ```bash
+#   nsys profile --trace=cuda,nvtx,osrt --capture-range=cudaProfilerApi -o step python train.py
+#   # with torch.cuda.profiler.start() / stop() around the steps to capture
+#   ```
+#
+#   It answers the same questions as this chapter (GPU idle gaps, launch overhead, which kernels), across
+#   processes, and for long runs.
+# - **`nvidia-smi dmon -s u`** prints the GPU's utilisation once a second. "Utilisation" there is the share
+#   of time in which *any* kernel was running: the GPU-busy fraction, coarsely sampled. It cannot tell a
+#   GPU-bound step from a slow kernel that keeps one SM busy; 100% utilisation is not 100% of the GPU's
+#   FLOP/s. Use it to spot an idle GPU (a data-loading stall, a host-bound loop), not to rate efficiency.
+# - **Nsight Compute (`ncu`)** profiles single kernels (achieved bandwidth, occupancy, tensor-core use):
+#   the next step when one kernel dominates the category table.
+#
+# Which of them this machine has:
+
+# %%
+pd.Series({tool: "found" if shutil.which(tool) else "not on PATH" for tool in ("nsys", "ncu", "nvidia-smi")},
+          name="on this machine").to_frame()
+
+# %% [markdown]
+# ## Summary
+#
+# - Time GPU code with `synchronize` or CUDA events, after a warm-up, at least ten times, and quote the
+#   spread. A clock without `synchronize` measures the CPU's queueing; a first call measures start-up.
+# - The GPU-busy fraction and the host-enqueue time tell *why* a step takes its time. A step whose GPU
+#   waits for Python and the dispatcher is **host-bound**; that, not inefficient kernels, is why chapter 3's
+#   step time was flat in the batch size (the verdicts of this run are below).
+# - Fixes by regime: host-bound → larger batch, CUDA graphs (or `torch.compile`, chapter 9);
+#   memory-bound → fused kernels (fused AdamW); compute-bound → less arithmetic, lower precision, better
+#   shapes.
+# - `memsnap` shows memory over time by origin; a leak is an allocation that survives a step.
+# - Variable shapes fragment the caching allocator; `expandable_segments` reduces the slack.
+
+# %% tags=["remove-input"]
+if prof.on_gpu and len(step_table.dropna(subset=["GPU busy"])):
+    lines = [f"- {m}, batch {b}: GPU busy {row['GPU busy']:.0%}, "
+             f"*{timing.verdict(row['GPU busy'], row['host enqueue (ms)'] / row['wall median (ms)'])}*"
+             for (m, b), row in step_table.dropna(subset=["GPU busy"]).iterrows()]
+    display(Markdown("Verdicts of this run (section 8.2, bf16 autocast where the GPU supports it):\n\n" + "\n".join(lines)))
+else:
+    print("skipped on CPU: the verdicts need a GPU")
+
+# %% [markdown]
+# ### A "slow step" checklist
+#
+# 1. Time it properly (`time_it`): median and IQR of ≥ 10 steps after warm-up.
+# 2. Is the GPU busy? If the GPU-busy fraction is low and host enqueue ≈ wall: **host-bound**. Grow the
+#    batch, cut launches (fused optimizer, CUDA graphs, `torch.compile`), move work off the Python path.
+#    If the GPU is idle but the host is not issuing work either: look for synchronisations (`.item()`,
+#    printing, `nonzero`) and data-loading waits.
+# 3. If the GPU is busy, read the category table. GEMM-dominated: compare with the matmul ceiling,
+#    then precision and shapes. Element-wise or optimizer-dominated: fuse.
+# 4. Check the result: the difference must be larger than the spread.
+#
+# ### Use it in your own script
+#
+# ```python
+# import torch
+# from torch.profiler import ProfilerActivity, profile, record_function, schedule
+#
+# with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+#              schedule=schedule(wait=1, warmup=1, active=3),
+#              on_trace_ready=lambda p: p.export_chrome_trace("trace.json")) as prof:
+#     for step, batch in zip(range(5), loader):
+#         with record_function("forward"):
+#             loss = model(**batch).loss
+#         with record_function("backward"):
+#             loss.backward()
+#         with record_function("optimizer"):
+#             optimizer.step(); optimizer.zero_grad(set_to_none=True)
+#         torch.cuda.synchronize()
+#         prof.step()
+# print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15))
+# ```
+#
+# ## Exercises
+#
+# 1. Run the host-bound sweep (section 8.3) for bert-large instead of the 1.3B model. At which batch size
+#    does the GPU-busy fraction pass 80%?
+#    <details><summary>Hint</summary>In <code>ch3_step</code>, build
+#    <code>models.build("bert-large-uncased", head="sequence-classification", dtype=torch.float16)</code> and take
+#    its batch from <code>make_batch("bert-large-uncased", batch_size)</code> (512 tokens); keep the rest.
+#    </details>
+#    <details><summary>Answer</summary>Expect the crossover between the two bert-large batch sizes of section
+#    8.2 (one host-bound, the other GPU-bound there, with bf16 autocast). A sequence of bert-large carries twice
+#    the tokens of the sweep's, but its model is a quarter of the size, so its GPU work per sequence is lower
+#    and the crossover comes at a similar or larger batch. On a slower GPU such as a T4 the same work takes
+#    the GPU longer while the CPU's share stays the same, so the crossover comes at a smaller batch.</details>
+# 2. Turn the optimizer of section 8.2 to `fused=True` and profile again. Which category shrinks, and does
+#    the step get faster?
+#    <details><summary>Hint</summary>Compare the optimizer row of the category table and the kernels per
+#    step.</details>
+#    <details><summary>Answer</summary>The optimizer's kernel time falls to about a third and its GPU
+#    operations from over a hundred (bert-large) or several hundred (the 1.3B model) to a few dozen (section
+#    8.3 measured both on bert-large's parameters), but while the step is host-bound the wall time falls only
+#    by the host time saved on launches: look at host enqueue, not only at GPU time.</details>
+# 3. Plant a different leak: append `loss` (not `loss.item()`) to a list every step. How much memory does it
+#    keep per step, and why so little?
+#    <details><summary>Hint</summary>After `backward()` the graph's saved tensors are freed; what is left of
+#    a scalar loss?</details>
+#    <details><summary>Answer</summary>One scalar tensor per step (512 bytes, the allocator's smallest
+#    block) plus its graph nodes on the CPU: such a leak shows up only after many thousands of steps, which is
+#    why it survives in real code.</details>
+#
+# ## References
+#
+# - PyTorch documentation: *PyTorch Profiler*, *Understanding CUDA Memory Usage* (the memory snapshot),
+#   *CUDA semantics* (asynchronous execution, CUDA graphs, the caching allocator and
+#   `PYTORCH_CUDA_ALLOC_CONF`).
+# - Hugging Face, *Efficient training on a single GPU* (the source of the book's fused-optimizer and
+#   batch-size advice) and the *model training anatomy* guide, whose step timings this chapter explains.
+# - Horace He, *Making Deep Learning Go Brrrr From First Principles* (2022): the three regimes
+#   (overhead, bandwidth, compute).
+# - NVIDIA, *Nsight Systems User Guide* and *nvidia-smi* documentation.
+#
+# All the works the book cites are on the [references page](../book/references.md).
+
+# %% [markdown]
+# Every experiment freed what it made. One library keeps memory on purpose: cuBLAS holds a *workspace* for
+# each (handle, stream) pair on which it ran a matrix product until it is told to let go. Each CPU thread
+# that runs matrix products has its own handle (the main thread and the autograd engine's thread), and
+# section 8.3 added a side stream and a graph-capture stream to the default one. We release the workspaces explicitly, show what they
+# held, and check that the chapter ends where it began:
+
+# %%
+cleanup.collect()
+if prof.on_gpu:
+    held_mib = torch.cuda.memory_allocated() / MIB
+    torch._C._cuda_clearCublasWorkspaces()  # PyTorch's own (private) call for this
+    cleanup.collect()
+    end_mib = torch.cuda.memory_allocated() / MIB
+    in_pools_mib = sum(b["size"] for seg in torch.cuda.memory._snapshot()["segments"]
+                       if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)
+                       for b in seg["blocks"] if b["state"] == "active_allocated") / MIB
+    display(pd.Series({
+        "allocated before clearing the cuBLAS workspaces (MiB)": held_mib,
+        "allocated at the end (MiB)": end_mib,
+        "of which in CUDA-graph private pools (MiB)": in_pools_mib,
+        "allocated at the start (MiB)": baseline_mib,
+    }).to_frame("value"))
+    assert end_mib <= baseline_mib + 0.01, f"{end_mib - baseline_mib:.2f} MiB still allocated: something leaked"
+else:
+    print("skipped on CPU: no GPU memory to check")

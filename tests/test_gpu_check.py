@@ -1,0 +1,98 @@
+"""scripts/gpu_check.py (make gpu-test): its comparison policy, on synthetic notebooks (no GPU needed)."""
+
+import copy
+import importlib.util
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+gpu_check = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gpu_check)
+SANITIZERS = gpu_check.load_sanitizers(ROOT / "notebooks" / "sanitize.cfg")
+
+
+def run(env, memory, timing, figure_text):
+    """A chapter's code cells as one GPU run printed them."""
+    nb = nbformat.v4.new_notebook()
+    outputs = [
+        [nbformat.v4.new_output("stream", name="stdout", text=env)],
+        [nbformat.v4.new_output("execute_result", execution_count=2, data={"text/plain": memory})],
+        [nbformat.v4.new_output("stream", name="stdout", text=timing)],
+        [nbformat.v4.new_output("display_data", data={"text/plain": figure_text, "image/png": "iVBORw0KGgo="})],
+    ]
+    nb.cells = [nbformat.v4.new_markdown_cell("# 1. A chapter")]
+    for i, outs in enumerate(outputs, start=1):
+        cell = nbformat.v4.new_code_cell(f"cell_{i}()")
+        cell.outputs, cell.execution_count = outs, i
+        nb.cells.append(cell)
+    return nbformat.from_dict(copy.deepcopy(nb))
+
+
+H200 = run("GPU  1 x NVIDIA H200, 140.4 GiB each\nNVIDIA driver  580.159.04\n2026-11-22T23:16:22Z",
+           "               peak allocated (MiB)\nfp32 AdamW                 5,120.00\nbf16 AdamW                 3,840.50",
+           "step 41.2 ms, 97.1 samples/s, peak 5,120 MiB",
+           "<Figure size 640x480 with 1 Axes>")
+H100 = run("GPU  1 x NVIDIA H100 80GB HBM3, 79.6 GiB each\nNVIDIA driver  570.86.15\n2026-12-01T08:00:00Z",
+           "               peak allocated (MiB)\nfp32 AdamW                 5,120.00\nbf16 AdamW                 3,840.50",
+           "step 44.9 ms, 89.0 samples/s, peak 5,120 MiB",
+           "<Figure size 640x480 with 1 Axes>")
+IGNORE = {"3": "timings beside the memory numbers"}
+
+
+def test_the_plan_ignores_the_environment_and_listed_cells_and_checks_memory_outputs():
+    assert [v for v, _ in gpu_check.plan(H200, IGNORE)] == ["ignored", "checked", "ignored", "not compared"]
+    assert [v for v, _ in gpu_check.plan(H200, {})][2] == "checked"  # unlisted: its MiB number is compared
+
+
+def test_a_rerun_on_another_gpu_of_the_family_passes():
+    counts, mismatches = gpu_check.compare(H200, H100, IGNORE, SANITIZERS)
+    assert mismatches == []
+    assert counts == {"checked": 1, "ignored": 2, "not compared": 1}
+
+
+def test_a_deliberate_change_to_a_memory_number_fails():
+    changed = copy.deepcopy(H100)
+    out = changed.cells[2].outputs[0]
+    out["data"]["text/plain"] = out["data"]["text/plain"].replace("3,840.50", "3,840.75")
+    counts, mismatches = gpu_check.compare(H200, changed, IGNORE, SANITIZERS)
+    (mismatch,) = mismatches
+    assert "code cell 2 differs" in mismatch and "3,840.75" in mismatch
+
+
+def test_timings_in_a_checked_cell_are_sanitized_but_memory_is_not():
+    counts, mismatches = gpu_check.compare(H200, H100, {}, SANITIZERS)  # cell 3 now checked
+    assert mismatches == [] and counts["checked"] == 2
+    changed = copy.deepcopy(H100)
+    changed.cells[3].outputs[0]["text"] = "step 44.9 ms, 89.0 samples/s, peak 5,121 MiB"
+    assert gpu_check.compare(H200, changed, {}, SANITIZERS)[1]
+
+
+def test_the_sanitizers_keep_memory_numbers_and_remove_the_machine():
+    text = "after the first CUDA call  1,235.88 MiB  617.56\nNVIDIA driver  580.159.04\nNVIDIA H100 80GB HBM3, 79.6 GiB each"
+    clean = gpu_check.sanitize(text, SANITIZERS)
+    assert "1,235.88 MiB  617.56" in clean
+    assert "580.159.04" not in clean and "H100" not in clean and "79.6" not in clean
+
+
+def test_a_different_number_of_cells_fails():
+    shorter = copy.deepcopy(H100)
+    shorter.cells.pop()
+    assert gpu_check.compare(H200, shorter, IGNORE, SANITIZERS)[1] == ["4 code cells committed, 3 executed"]
+
+
+def test_compare_an_executed_folder_from_the_command_line(tmp_path, capsys):
+    executed = tmp_path / "executed"
+    executed.mkdir()
+    for chapter in ("01_memory_anatomy.ipynb",):
+        (executed / chapter).write_bytes((ROOT / "notebooks" / chapter).read_bytes())
+    assert gpu_check.main(["--executed", str(executed), "01_memory_anatomy.ipynb"]) == 0
+    assert "01_memory_anatomy.ipynb: ok: checked" in capsys.readouterr().out
+
+
+def test_the_config_names_existing_chapters_and_cells_with_reasons():
+    config = gpu_check.json.loads((ROOT / "notebooks" / "gpu_check.json").read_text())["ignore"]
+    for name, cells in config.items():
+        n_code = len(gpu_check.code_cells(gpu_check.json.loads((ROOT / "notebooks" / name).read_text())))
+        assert all(1 < int(i) <= n_code and reason.strip() for i, reason in cells.items()), name
