@@ -22,6 +22,11 @@ An allowance names the new content's sha256 (the check prints it), so a later ed
 it; ``"*"`` applies to every notebook. A notebook without a stamp (executed before stamping existed)
 is reported as such and passes, unless it is listed in ``require_stamp``.
 
+Raw MyST roles. Jupyter and Colab show a role such as ``{glue:text}`x``` literally, so a chapter's
+markdown should carry none (sentences with run numbers are rendered by code cells). Chapters written
+before that rule may keep at most the number of roles that ``notebooks/raw_roles.json`` allows them
+(a ratchet: the count may fall, never rise; a notebook not listed may have none).
+
 Usage: python scripts/check_notebooks.py notebooks [more paths]   (exit 1 on any problem)
 Only the standard library is used, so this runs on any Python.
 """
@@ -44,6 +49,19 @@ TRACEBACK = "Traceback (most recent call last)"
 NBVAL_MARKERS = {"NBVAL_CHECK_OUTPUT", "NBVAL_IGNORE_OUTPUT", "NBVAL_SKIP", "NBVAL_RAISES_EXCEPTION"}
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"
 ALLOWANCES = "stale_ok.json"  # beside the notebooks
+RAW_ROLES = "raw_roles.json"  # beside the notebooks
+RAW_ROLE = re.compile(r"\{(?:glue|cite|numref|ref|eq|doc|term)(?::[a-z]+)?\}`")
+
+
+def raw_roles(nb: dict) -> int:
+    """How many MyST roles the notebook's markdown cells contain (Jupyter shows them literally)."""
+    return sum(len(RAW_ROLE.findall("".join(c.get("source", "")))) for c in nb.get("cells", [])
+               if c.get("cell_type") == "markdown")
+
+
+def raw_roles_allowed(folder: Path) -> dict[str, int]:
+    path = folder / RAW_ROLES
+    return json.loads(path.read_text(encoding="utf-8")).get("allowed", {}) if path.exists() else {}
 
 
 def sha256(text: str | bytes) -> str:
@@ -173,7 +191,13 @@ def check_with_note(path: Path, helpers: Path = HELPERS, allowances: dict | None
         problems.append("the first code cell's output (environment report) names no NVIDIA GPU")
     if not re.search(r"profile\s+full\b", first):
         problems.append("the first code cell's output does not show the full profile")
+    roles, allowed = raw_roles(nb), raw_roles_allowed(path.parent).get(path.name, 0)
+    if roles > allowed:
+        problems.append(f"{roles} raw MyST roles in markdown (allowed: {allowed}); Jupyter and Colab show them "
+                        f"literally: render sentences with run numbers from a code cell instead")
     stale, note = stamp_status(path, nb, helpers, allowances)
+    if roles and roles < allowed:
+        note += f"; {roles} raw MyST roles, fewer than the {allowed} allowed: lower the allowance in {RAW_ROLES}"
     return problems + stale, note
 
 

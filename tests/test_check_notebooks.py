@@ -159,3 +159,36 @@ def test_the_allowances_file_is_read_beside_the_notebooks(tmp_path, helpers):
     (tmp_path / "stale_ok.json").write_text(json.dumps({"allow": {path.name: [
         {"cell": 2, "sha256": check_notebooks.sha256("x = 1  # reworded"), "reason": "comment"}]}}))
     assert check_notebooks.check(path, helpers) == []
+
+
+def _with_markdown(path, text):
+    nb = nbformat.read(path, as_version=4)
+    nb.cells.insert(0, nbformat.v4.new_markdown_cell(text))
+    nbformat.write(nb, path)
+    return path
+
+
+def test_raw_myst_roles_in_markdown_fail_unless_allowed(tmp_path):
+    path = _with_markdown(notebook(tmp_path, [env_cell()]),
+                          "Peak {glue:text}`peak_gib:.2f` GiB, as {cite:p}`korthikanti2022reducing` predicts.")
+    problems = check_notebooks.check(path)
+    assert any("2 raw MyST roles in markdown (allowed: 0)" in p for p in problems)
+    (tmp_path / "raw_roles.json").write_text(json.dumps({"allowed": {"01_test.ipynb": 2}}))
+    assert check_notebooks.check(path) == []
+    (tmp_path / "raw_roles.json").write_text(json.dumps({"allowed": {"01_test.ipynb": 1}}))  # the ratchet
+    assert any("(allowed: 1)" in p for p in check_notebooks.check(path))
+
+
+def test_roles_in_code_cells_and_plain_braces_are_not_counted(tmp_path):
+    path = _with_markdown(notebook(tmp_path, [env_cell(), ('glue("x", 1)  # {glue:text}`x`', [])]),
+                          "A set {a, b} and `code`, rendered by a code cell.")
+    assert check_notebooks.check(path) == []
+
+
+def test_the_committed_allowances_match_the_chapters():
+    """Every allowance is exactly the chapter's count: a chapter that lost roles must lower its number."""
+    folder = Path(__file__).parents[1] / "notebooks"
+    allowed = check_notebooks.raw_roles_allowed(folder)
+    for name, n in allowed.items():
+        assert check_notebooks.raw_roles(json.loads((folder / name).read_text())) == n, name
+    assert "08_profiling.ipynb" not in allowed
