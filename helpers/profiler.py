@@ -67,8 +67,7 @@ LAUNCH_CALLS = re.compile(r"^(cudaLaunchKernel|cudaLaunchKernelExC|cuLaunchKerne
 
 # Kernel names, matched in this order (names differ between GPU generations and libraries: cuBLAS's
 # Hopper kernels are called nvjet_*, CUTLASS's sm90_xmma_*, older ones *gemm*).
-_KERNEL_RULES = (
-    ("communication", re.compile(r"nccl", re.I)),
+_KERNEL_RULES = (  # (NCCL kernels are ``communication`` before any rule: see kernel_category)
     ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn::fusion", re.I)),
     ("GEMM", re.compile(r"gemm|gemv|nvjet|xmma|cutlass|cublas|matmul|splitkreduce|dot_kernel", re.I)),
     ("element-wise / normalisation", re.compile(
