@@ -277,6 +277,63 @@ def time_fn(
     return Timing(tuple(times))
 
 
+@dataclass(frozen=True)
+class Budget:
+    """An emulated smaller GPU: the card's memory less this process's CUDA context, in GiB.
+
+    Introduced in chapter 1, section 1.5.
+    """
+
+    card_gib: float
+    context_gib: float
+    card_name: str = "T4"
+
+    @property
+    def budget_gib(self) -> float:
+        """What the allocator may hold: the card less the context (which the allocator never sees)."""
+        return self.card_gib - self.context_gib
+
+    def describe(self) -> str:
+        return (f"allocator capped at {self.budget_gib:.2f} GiB = {self.card_gib:.2f} GiB ({self.card_name}) "
+                f"- {self.context_gib:.2f} GiB (this process's CUDA context)")
+
+
+def context_gib(nvml_before_mib: float, device: int = 0) -> float:
+    """This process's CUDA context in GiB: NVML *used* now, less *used* before the first CUDA call, less
+    what torch's allocator reserves. Call it after the first CUDA call (and the first matmul, which loads
+    cuBLAS), with the NVML reading taken before any CUDA call.
+
+    Introduced in chapter 1, section 1.5.
+    """
+    require_cuda("context_gib")
+    if nvml_before_mib < 0:
+        raise ValueError(f"nvml_before_mib must be a reading in MiB (>= 0), got {nvml_before_mib}")
+    used_mib = nvml_used_mib(device)
+    return (used_mib - nvml_before_mib) * MIB / GIB - torch.cuda.memory_reserved(device) / GIB
+
+
+def t4_budget(nvml_before_mib: float, device: int = 0, card_gib: float = T4_MEMORY_GIB,
+              card_name: str = "T4") -> Budget:
+    """The budget that makes this GPU behave like a T4 (Colab's free GPU): 14.75 GiB less this process's
+    CUDA context, for ``gpu_budget(t4_budget(...).budget_gib)``. One call replaces the emulation cell
+    chapters 1, 3, 4 and 6 used to repeat. On a real T4 the budget is the whole card less the context,
+    so the cap changes nothing.
+
+    >>> budget = measure.t4_budget(nvml_before)
+    >>> print(budget.describe())
+    >>> with measure.gpu_budget(budget.budget_gib):
+    ...     train_step(...)
+
+    Introduced in chapter 1, section 1.5.
+    """
+    if card_gib <= 0:
+        raise ValueError(f"card_gib must be positive, got {card_gib}")
+    ctx = context_gib(nvml_before_mib, device)
+    if ctx >= card_gib:
+        raise ValueError(f"the CUDA context ({ctx:.2f} GiB) does not leave room on a {card_gib:.2f} GiB card")
+    return Budget(card_gib=card_gib, context_gib=ctx, card_name=card_name)
+
+
 # Fractions set by gpu_budget on each device, innermost last: what to restore on exit where torch cannot
 # report the current fraction (get_per_process_memory_fraction is recent).
 _budget_stack: dict[int, list[float]] = {}

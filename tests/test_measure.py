@@ -217,3 +217,32 @@ def test_gpu_budget_raises_oom_and_restores():
     x = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")  # fits again once restored
     del x
     torch.cuda.empty_cache()
+
+
+def test_t4_budget_subtracts_the_context(monkeypatch):
+    monkeypatch.setattr(measure, "require_cuda", lambda what: None)
+    monkeypatch.setattr(measure, "nvml_used_mib", lambda device=0: 1000.0 + 600.0)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=0: 88 * 2**20)
+    budget = measure.t4_budget(1000.0)
+    assert budget.context_gib == pytest.approx((600 - 88) / 1024)
+    assert budget.budget_gib == pytest.approx(14.75 - (600 - 88) / 1024)
+    assert "14.75 GiB (T4)" in budget.describe() and f"{budget.budget_gib:.2f} GiB" in budget.describe()
+
+
+def test_t4_budget_rejects_bad_input(monkeypatch):
+    monkeypatch.setattr(measure, "require_cuda", lambda what: None)
+    monkeypatch.setattr(measure, "nvml_used_mib", lambda device=0: 40_000.0)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=0: 0)
+    with pytest.raises(ValueError, match="MiB"):
+        measure.t4_budget(-1.0)
+    with pytest.raises(ValueError, match="positive"):
+        measure.t4_budget(0.0, card_gib=0)
+    with pytest.raises(ValueError, match="does not leave room"):
+        measure.t4_budget(0.0)  # a 39 GiB "context" on a 14.75 GiB card
+
+
+def test_t4_budget_needs_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(RuntimeError):
+        measure.t4_budget(0.0)
