@@ -32,6 +32,9 @@ Time and memory over time (chapter 8)
 - ``timing``      timing GPU work honestly: wall, CUDA-event and host clocks, spread, GPU-busy, a verdict
 - ``memsnap``     the allocator's history: memory over time by origin, its peak, the survivors of a step
 
+Communication (written for chapter 7; not yet used by a chapter)
+- ``collectives`` collectives' bus bandwidth timed (nccl-tests' definitions), bytes each engine sends per step
+
 Showing results
 - ``plots``       one figure style, stacked memory bars, line series
 - ``glue``        glue numbers into the book's prose
