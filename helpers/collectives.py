@@ -37,11 +37,12 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from helpers import estimates
 from helpers.profiler import kernel_category
 from helpers.timing import Spread
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
-ENGINES = ("ddp", "zero1", "zero2", "zero3")
+ENGINES = estimates.STAGES  # the same four as the memory formula: ddp, zero1, zero2, zero3
 ENGINE_LABELS = {
     "ddp": "DDP",
     "zero1": "ZeRO-1 as run (DDP + ZeroRedundancyOptimizer)",

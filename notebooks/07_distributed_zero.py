@@ -397,8 +397,7 @@ glue("zero2_floor_gib", 2 * psi / GIB)
 # ZeRO-3 keeps falling as $1/N_d$. The price is communication, which the paper counts per GPU and step
 # (its section 7, for many GPUs): plain data parallelism moves $2\Psi$ elements, since its all-reduce is a
 # reduce-scatter followed by an all-gather (with a ring, $2(N_d-1)/N_d \cdot \Psi$ from each GPU: this
-# chapter's section 7.1). The paper's
-# stages 1 and 2 move the same $2\Psi$: they reduce-scatter the gradients, each GPU updates its share of the
+# chapter's section 7.1). The paper's stages 1 and 2 move the same $2\Psi$: they reduce-scatter the gradients, each GPU updates its share of the
 # parameters, and an all-gather of the updated parameters replaces the all-reduce's second half. Stage 3
 # also gathers every layer's parameters in the forward pass and again in the backward pass: $3\Psi$, 1.5
 # times data parallelism. Implementations differ: the ZeRO-1 that PyTorch offers (next section) keeps DDP's
@@ -575,9 +574,9 @@ if prof.is_full and prof.on_gpu:
 #
 # **Scaling from 1 to 2 GPUs.** Each rank trains 4 sequences per step, so two GPUs train twice the samples
 # of one in each step, and the throughput ratio is $2 \times t_1 / t_2$ for step times $t_1$ on one GPU and
-# $t_2$ on two. *From the committed 2-GPU run shown above* (an exception to this book's rule that static
-# text quotes no run numbers, made because this chapter cannot be re-executed on two GPUs now; a code cell
-# will compute it at the next 2-GPU run): DDP's steps of 0.218 s on one GPU and 0.231 s on two give
+# $t_2$ on two. *From the committed 2-GPU run shown above* (typed here rather than computed by a code cell,
+# the one exception in this chapter, because it has not been re-executed on two GPUs since; the table above
+# shows your own run's step times): DDP's steps of 0.218 s on one GPU and 0.231 s on two give
 # 1.89 times the throughput, a scaling efficiency of 94%; ZeRO-1 gives 1.86 times, FSDP's ZeRO-2 1.99 and
 # ZeRO-3 1.98. Only three timed steps per engine were kept, as a median without its spread, so these
 # differences between engines are not established; that the second GPU nearly doubles the throughput is.
@@ -660,8 +659,8 @@ print("DeepSpeed is installed, but this chapter runs only the FSDP config" if de
 # parallelism goes where: tensor parallelism, which communicates inside every layer, stays within a machine;
 # pipeline stages and data parallelism (with ZeRO) span machines. ZeRO-3 trades memory for traffic (1.5
 # times DDP's), and so does PyTorch's ZeRO-1 (DDP's all-reduce plus the parameters' broadcast); across a slow
-# network, ZeRO-2 (DDP's bytes), a ZeRO-1 that reduce-scatters the gradients (DeepSpeed's), or FSDP's hybrid
-# sharding (shard within a machine, replicate across machines) may train faster.
+# network, ZeRO-2 (DDP's bytes), a ZeRO-1 that reduce-scatters the gradients as the paper describes, or FSDP's
+# hybrid sharding (shard within a machine, replicate across machines) may train faster.
 #
 # The script itself does not change. `torchrun` is started once on every machine, with the number of
 # machines, this machine's index and one address where they all meet:
