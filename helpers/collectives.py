@@ -308,7 +308,10 @@ def engine_transfers(
     - ``ddp``: the gradients all-reduced during backward (``S = Psi x grad_bytes``).
     - ``zero1``, as PyTorch runs it (DDP + ``ZeroRedundancyOptimizer``): DDP's all-reduce, then after
       the step every rank broadcasts the parameters it updated, ``n`` broadcasts of ``Psi/n`` each:
-      1.5x DDP's bytes when parameters and gradients have the same width. (The paper's ZeRO-1
+      1.5x DDP's bytes when parameters and gradients have the same width. In time it costs more
+      on few ranks: the broadcasts run one after another and each is limited by its root's link
+      (bus factor 1), so on 2 ranks the parameters take as long as DDP's whole all-reduce (the
+      ``bus bytes`` are 2x DDP's, falling to 1.5x for many ranks). (The paper's ZeRO-1
       reduce-scatters the gradients instead and moves 2 Psi, like DDP.)
     - ``zero2`` (FSDP with gathered parameters kept from forward to backward): an all-gather of the
       parameters in forward and a reduce-scatter of the gradients in backward: DDP's bytes.

@@ -55,6 +55,9 @@ def test_engine_bytes_follow_the_formulas(n):
     assert sent["zero3"] == pytest.approx(1.5 * ring)  # + the backward all-gather
     ratio = collectives.ratio_to_ddp(collectives.communication_table(psi, n))
     assert ratio.to_dict() == pytest.approx({"ddp": 1.0, "zero1": 1.5, "zero2": 1.0, "zero3": 1.5})
+    bus = collectives.ratio_to_ddp(collectives.communication_table(psi, n), "bus bytes")
+    assert bus["zero1"] == pytest.approx(1 + n / (2 * (n - 1)))  # sequential broadcasts: 2x DDP's time at n = 2
+    assert bus["zero3"] == pytest.approx(1.5)
 
 
 def test_engine_bytes_reach_the_papers_volumes_for_many_ranks():
