@@ -1,27 +1,24 @@
-"""What data parallelism sends: collectives timed, and the bytes each engine moves per step.
-
-Three jobs, one subject (the communication behind chapter 7's engines):
+"""Collectives timed: bus bandwidth against message size, inside launched processes, and from a trace.
 
 - **Bandwidth definitions** of NVIDIA's ``nccl-tests`` (doc/PERFORMANCE.md). For a collective on
   ``S`` bytes that took ``t`` seconds on ``n`` ranks, the *algorithm bandwidth* is ``S / t`` and the
   *bus bandwidth* is ``algbw x factor``, with the factor ``2(n-1)/n`` for all-reduce, ``(n-1)/n`` for
-  reduce-scatter and all-gather, ``1`` for broadcast (``bus_factor``). The bus bandwidth is the
-  number to hold against a link's nominal bandwidth, whatever ``n`` is. ``S`` is the whole buffer:
-  for all-gather the gathered output, for reduce-scatter the input (``n`` x the per-rank share).
+  reduce-scatter and all-gather, ``1`` for broadcast (``estimates.bus_factor``). The bus bandwidth
+  is the number to hold against a link's nominal bandwidth, whatever ``n`` is. ``S`` is the whole
+  buffer: for all-gather the gathered output, for reduce-scatter the input (``n`` x each share).
 - **Timing** a collective inside a launched process (``time_collective``, ``sweep``): a barrier and a
   device synchronisation before every repeat, warm-up calls first, at least 10 timed repeats; a
   repeat's time is the slowest rank's (a collective is done when the last rank is), and the
   result keeps every repeat for the median and the spread. Run it under ``torchrun`` with gloo on
   CPUs or NCCL on GPUs (chapter 7's ``scripts/collectives_bench.py``).
-- **Bytes per rank per step** of each engine, from the formula (``engine_transfers``,
-  ``communication_table``), and the communication kernels of a profiler trace
-  (``communication_from_trace``), to compare with it.
+- **A profiler trace's** communication kernels per collective (``communication_from_trace``), to hold
+  against the bytes per step that ``estimates.communication_table`` predicts for each engine.
 
 Not used in a chapter yet: chapter 7 gains a communication section when it can be executed again on
 several GPUs.
 
->>> bus_factor("all_reduce", 2)                                  # 1.0
->>> communication_table(1.33e9, 2).groupby("engine")["sent per rank (bytes)"].sum()
+>>> t = time_collective("all_reduce", 2**26, device="cuda")   # on every rank of a process group
+>>> t.record()["busbw_gb_s"]
 """
 
 from __future__ import annotations
@@ -37,56 +34,11 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from helpers import estimates
+from helpers.estimates import COLLECTIVES, bus_factor
 from helpers.profiler import kernel_category
 from helpers.timing import Spread
 
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
-ENGINES = estimates.STAGES  # the same four as the memory formula: ddp, zero1, zero2, zero3
-ENGINE_LABELS = {
-    "ddp": "DDP",
-    "zero1": "ZeRO-1 as run (DDP + ZeroRedundancyOptimizer)",
-    "zero2": "ZeRO-2 (FSDP, kept after forward)",
-    "zero3": "ZeRO-3 (FSDP, FULL_SHARD)",
-}
-# Rajbhandari et al. 2020, section 7.2: data moved per process per step, in units of Psi elements, for
-# large N (the (N-1)/N of a ring taken as 1). Baseline data parallelism: an all-reduce = reduce-scatter
-# + all-gather, 2 Psi. P_os and P_os+g: the same 2 Psi (a reduce-scatter of gradients, an all-gather
-# of updated parameters). P_os+g+p: parameters all-gathered in forward and again in backward plus the
-# gradients' reduce-scatter, 3 Psi, "1.5x" the baseline.
-PAPER_VOLUME_PSI = {"ddp": 2.0, "zero1": 2.0, "zero2": 2.0, "zero3": 3.0}
 GB = 1e9  # bandwidth in GB/s (decimal), as nccl-tests and link specifications print it
-
-
-def _check(collective: str, n_ranks: int) -> None:
-    if collective not in COLLECTIVES:
-        raise ValueError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}")
-    if int(n_ranks) != n_ranks or n_ranks < 1:
-        raise ValueError(f"n_ranks must be a positive integer, got {n_ranks}")
-
-
-def bus_factor(collective: str, n_ranks: int) -> float:
-    """nccl-tests' factor from algorithm to bus bandwidth: 2(n-1)/n, (n-1)/n, (n-1)/n or 1.
-
-    Not used in a chapter yet (written for chapter 7's communication measurements).
-    """
-    _check(collective, n_ranks)
-    n = n_ranks
-    return {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": (n - 1) / n,
-            "broadcast": 1.0}[collective]
-
-
-def sent_factor(collective: str, n_ranks: int) -> float:
-    """Bytes one rank sends per byte of ``S`` with bandwidth-optimal (ring) algorithms, averaged over ranks.
-
-    Equal to ``bus_factor`` except for broadcast: one root's ``S`` bytes reach ``n - 1`` ranks, so the
-    ranks send ``(n-1) S`` together, ``(n-1)/n S`` each on average, although the root's link carries
-    all ``S`` (which is why its bus factor is 1).
-
-    Not used in a chapter yet (written for chapter 7's communication measurements).
-    """
-    _check(collective, n_ranks)
-    return (n_ranks - 1) / n_ranks if collective == "broadcast" else bus_factor(collective, n_ranks)
 
 
 def algorithm_bandwidth(size_bytes: float, time_s: float) -> float:
@@ -201,7 +153,8 @@ def time_collective(
     import torch.distributed as dist
 
     n, rank = dist.get_world_size(group), dist.get_rank(group)
-    _check(collective, n)
+    if collective not in COLLECTIVES:
+        raise ValueError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}")
     if repeat < 10:
         raise ValueError(f"repeat must be >= 10 (a spread needs samples), got {repeat}")
     device = torch.device(device)
@@ -272,101 +225,6 @@ def bandwidth_table(records: pd.DataFrame | Sequence[dict]) -> pd.DataFrame:
         "busbw, fastest repeat (GB/s)": df["busbw_best_gb_s"],
     })
     return table.set_index(["collective", "size (MiB)"]).sort_index()
-
-
-# --- bytes per rank per step, by engine --------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """One kind of collective an engine runs each step: ``size_bytes`` (``S``, summed over the step's calls).
-
-    Not used in a chapter yet (written for chapter 7's communication measurements).
-    """
-
-    engine: str
-    when: str
-    collective: str
-    size_bytes: float
-    n_ranks: int
-
-    @property
-    def sent_per_rank_bytes(self) -> float:
-        return self.size_bytes * sent_factor(self.collective, self.n_ranks)
-
-    @property
-    def bus_bytes(self) -> float:
-        """Bytes over the busiest link: divided by the measured bus bandwidth, the time it takes."""
-        return self.size_bytes * bus_factor(self.collective, self.n_ranks)
-
-
-def engine_transfers(
-    engine: str, n_params: float, n_ranks: int, *, param_bytes: float = 4, grad_bytes: float = 4
-) -> list[Transfer]:
-    """The collectives of one training step of ``engine`` on ``n_ranks`` data-parallel ranks.
-
-    - ``ddp``: the gradients all-reduced during backward (``S = Psi x grad_bytes``).
-    - ``zero1``, as PyTorch runs it (DDP + ``ZeroRedundancyOptimizer``): DDP's all-reduce, then after
-      the step every rank broadcasts the parameters it updated, ``n`` broadcasts of ``Psi/n`` each:
-      1.5x DDP's bytes when parameters and gradients have the same width. In time it costs more
-      on few ranks: the broadcasts run one after another and each is limited by its root's link
-      (bus factor 1), so on 2 ranks the parameters take as long as DDP's whole all-reduce (the
-      ``bus bytes`` are 2x DDP's, falling to 1.5x for many ranks). (The paper's ZeRO-1
-      reduce-scatters the gradients instead and moves 2 Psi, like DDP.)
-    - ``zero2`` (FSDP with gathered parameters kept from forward to backward): an all-gather of the
-      parameters in forward and a reduce-scatter of the gradients in backward: DDP's bytes.
-    - ``zero3`` (FSDP ``FULL_SHARD``): all-gather in forward, again in backward, and the
-      reduce-scatter: 1.5x DDP. FSDP2 keeps its root unit (here the embeddings, final norm and head)
-      gathered from forward to backward, so it all-gathers slightly less than this in backward.
-
-    ``param_bytes`` and ``grad_bytes`` are the widths on the wire (4 for the fp32 training of chapter 7;
-    2 where FSDP's mixed-precision policy gathers and reduces in bf16).
-
-    Not used in a chapter yet (written for chapter 7's communication measurements).
-    """
-    if engine not in ENGINES:
-        raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
-    if n_params < 0 or min(param_bytes, grad_bytes) <= 0:
-        raise ValueError("need n_params >= 0 and positive bytes per element")
-    _check("all_reduce", n_ranks)
-    p, g = n_params * param_bytes, n_params * grad_bytes
-    steps = {
-        "ddp": [("backward", "all_reduce", g)],
-        "zero1": [("backward", "all_reduce", g), ("after the optimizer step", "broadcast", p)],
-        "zero2": [("forward", "all_gather", p), ("backward", "reduce_scatter", g)],
-        "zero3": [("forward", "all_gather", p), ("backward", "all_gather", p), ("backward", "reduce_scatter", g)],
-    }[engine]
-    return [Transfer(engine, when, coll, size, n_ranks) for when, coll, size in steps]
-
-
-def communication_table(
-    n_params: float, n_ranks: int, *, engines: Sequence[str] = ENGINES, param_bytes: float = 4,
-    grad_bytes: float = 4,
-) -> pd.DataFrame:
-    """One row per engine and collective: ``S``, the bytes each rank sends and the bus bytes, per step.
-
-    Sum a column by engine for the step's total; ``ratio_to_ddp`` divides those totals by DDP's.
-
-    Not used in a chapter yet (written for chapter 7's communication measurements).
-    """
-    rows = [
-        {"engine": t.engine, "when": t.when, "collective": t.collective, "S (bytes)": t.size_bytes,
-         "sent per rank (bytes)": t.sent_per_rank_bytes, "bus bytes": t.bus_bytes}
-        for e in engines for t in engine_transfers(e, n_params, n_ranks, param_bytes=param_bytes,
-                                                   grad_bytes=grad_bytes)
-    ]
-    return pd.DataFrame(rows)
-
-
-def ratio_to_ddp(table: pd.DataFrame, column: str = "sent per rank (bytes)") -> pd.Series:
-    """Each engine's per-step total of ``column`` over DDP's (the table must include DDP).
-
-    Not used in a chapter yet (written for chapter 7's communication measurements).
-    """
-    totals = table.groupby("engine", sort=False)[column].sum()
-    if "ddp" not in totals.index:
-        raise ValueError("the table has no DDP rows to compare with")
-    return totals / totals["ddp"]
 
 
 # --- communication kernels of a profiler trace --------------------------------------------------------

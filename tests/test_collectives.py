@@ -1,5 +1,4 @@
-"""helpers.collectives: nccl-tests' bandwidth definitions, the engines' bytes per step, trace reading,
-and the launched benchmark on 2 CPU processes (gloo)."""
+"""helpers.collectives: bandwidths, trace reading, and the launched benchmark on 2 CPU processes (gloo)."""
 
 import json
 import math
@@ -8,22 +7,10 @@ import sys
 
 import pytest
 
-from helpers import collectives, launching
+from helpers import collectives, estimates, launching
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "notebooks", "scripts", "collectives_bench.py")
-
-
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 8, 64])
-def test_bus_factors_are_the_nccl_tests_ones(n):
-    assert collectives.bus_factor("all_reduce", n) == pytest.approx(2 * (n - 1) / n)
-    assert collectives.bus_factor("reduce_scatter", n) == pytest.approx((n - 1) / n)
-    assert collectives.bus_factor("all_gather", n) == pytest.approx((n - 1) / n)
-    assert collectives.bus_factor("broadcast", n) == 1.0
-    # an all-reduce is a reduce-scatter followed by an all-gather: the factors add up
-    assert collectives.bus_factor("all_reduce", n) == pytest.approx(
-        collectives.bus_factor("reduce_scatter", n) + collectives.bus_factor("all_gather", n))
-    assert collectives.sent_factor("broadcast", n) == pytest.approx((n - 1) / n)
 
 
 def test_alg_and_bus_bandwidth():
@@ -32,53 +19,11 @@ def test_alg_and_bus_bandwidth():
     assert collectives.bus_bandwidth("all_reduce", 2e9, 0.5, 4) == pytest.approx(6e9)  # 4e9 x 1.5
     assert collectives.bus_bandwidth("all_gather", 2e9, 0.5, 4) == pytest.approx(3e9)
     with pytest.raises(ValueError, match="collective"):
-        collectives.bus_factor("all_to_all", 2)
+        estimates.bus_factor("all_to_all", 2)
     with pytest.raises(ValueError):
-        collectives.bus_factor("all_reduce", 0)
+        estimates.bus_factor("all_reduce", 0)
     with pytest.raises(ValueError):
         collectives.algorithm_bandwidth(1, 0)
-
-
-def totals(n_params, n, **kw):
-    table = collectives.communication_table(n_params, n, **kw)
-    return table.groupby("engine")["sent per rank (bytes)"].sum()
-
-
-@pytest.mark.parametrize("n", [2, 4, 8])
-def test_engine_bytes_follow_the_formulas(n):
-    psi = 1e9
-    sent = totals(psi, n)
-    ring = 2 * (n - 1) / n * psi * 4  # DDP: a ring all-reduce of fp32 gradients
-    assert sent["ddp"] == pytest.approx(ring)
-    assert sent["zero1"] == pytest.approx(1.5 * ring)  # + the parameter broadcasts, as PyTorch runs ZeRO-1
-    assert sent["zero2"] == pytest.approx(ring)  # reduce-scatter + one all-gather: DDP's bytes
-    assert sent["zero3"] == pytest.approx(1.5 * ring)  # + the backward all-gather
-    ratio = collectives.ratio_to_ddp(collectives.communication_table(psi, n))
-    assert ratio.to_dict() == pytest.approx({"ddp": 1.0, "zero1": 1.5, "zero2": 1.0, "zero3": 1.5})
-    bus = collectives.ratio_to_ddp(collectives.communication_table(psi, n), "bus bytes")
-    assert bus["zero1"] == pytest.approx(1 + n / (2 * (n - 1)))  # sequential broadcasts: 2x DDP's time at n = 2
-    assert bus["zero3"] == pytest.approx(1.5)
-
-
-def test_engine_bytes_reach_the_papers_volumes_for_many_ranks():
-    """Rajbhandari et al. 2020, section 7.2: 2 Psi (DP, P_os+g) and 3 Psi (P_os+g+p) per process, large N."""
-    psi, n = 1e9, 4096
-    sent = totals(psi, n, param_bytes=1, grad_bytes=1)  # in elements
-    for engine in ("ddp", "zero2", "zero3"):
-        assert sent[engine] / psi == pytest.approx(collectives.PAPER_VOLUME_PSI[engine], rel=1e-3)
-    # ZeRO-1 as PyTorch runs it moves 3 Psi, 1.5x the paper's P_os (which reduce-scatters instead)
-    assert sent["zero1"] / psi == pytest.approx(1.5 * collectives.PAPER_VOLUME_PSI["zero1"], rel=1e-3)
-
-
-def test_widths_and_bad_engines():
-    bf16 = totals(1e6, 2, param_bytes=2, grad_bytes=2)
-    fp32 = totals(1e6, 2)
-    assert (bf16 * 2).to_dict() == pytest.approx(fp32.to_dict())
-    one = collectives.communication_table(1e6, 1)
-    assert (one["sent per rank (bytes)"] == 0).all()  # nothing to send alone ...
-    assert one.loc[one.collective == "broadcast", "bus bytes"].item() == 4e6  # ... though a broadcast's factor is 1
-    with pytest.raises(ValueError, match="engine"):
-        collectives.engine_transfers("zero4", 1e6, 2)
 
 
 def test_sizes_between():
@@ -135,14 +80,14 @@ def test_benchmark_on_two_gloo_processes(tmp_path):
     done = launching.run(launching.torchrun(BENCH, 2, args), env=env, timeout_s=180)
     assert "gloo" in done.stdout
     records = launching.read_results(out)
-    assert len(records) == 4 * 4 and set(records["collective"]) == set(collectives.COLLECTIVES)
+    assert len(records) == 4 * 4 and set(records["collective"]) == set(estimates.COLLECTIVES)
     assert (records["n_ranks"] == 2).all() and (records["repeats"] == 10).all()
     assert (records["time_min_s"] > 0).all()
     assert (records["time_min_s"] <= records["time_median_s"]).all()
     assert (records["time_median_s"] <= records["time_max_s"]).all()
     for row in records.itertuples():
         assert row.size_bytes % (2 * 4) == 0 and 4096 <= row.size_bytes <= 262144
-        want = collectives.bus_factor(row.collective, 2) * row.size_bytes / row.time_median_s / 1e9
+        want = estimates.bus_factor(row.collective, 2) * row.size_bytes / row.time_median_s / 1e9
         assert math.isclose(row.busbw_gb_s, want, rel_tol=1e-9)
         assert 0 < row.busbw_gb_s < 1000  # GB/s: a sane number for two processes of one machine
     table = collectives.bandwidth_table(records)

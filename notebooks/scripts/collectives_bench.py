@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from helpers import collectives, distributed
+from helpers import collectives, distributed, estimates
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -29,8 +29,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--min-bytes", type=int, default=2**20, help="smallest message S (bytes)")
     parser.add_argument("--max-bytes", type=int, default=2**30, help="largest message S (bytes)")
     parser.add_argument("--factor", type=int, default=4, help="each size is this many times the previous")
-    parser.add_argument("--collectives", nargs="+", default=list(collectives.COLLECTIVES),
-                        choices=collectives.COLLECTIVES)
+    parser.add_argument("--collectives", nargs="+", default=list(estimates.COLLECTIVES),
+                        choices=estimates.COLLECTIVES)
     parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument("--warmup", type=int, default=5, help="untimed calls first")
     parser.add_argument("--repeat", type=int, default=20, help="timed calls (at least 10)")
