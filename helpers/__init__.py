@@ -11,7 +11,7 @@ Foundations
 
 Counting and formulas (no GPU needed)
 - ``accounting``  bytes of weights, gradients, optimizer states (sharded too) and saved activations
-- ``estimates``   the rules and formulas measurements are held against, the ZeRO formula among them
+- ``estimates``   the rules and formulas measurements are held against: ZeRO's memory and traffic among them
 - ``flops``       FLOPs per token, peak FLOP/s by GPU, throughput and MFU
 
 Models, data, training
@@ -31,6 +31,9 @@ Time and memory over time (chapter 8)
 - ``profiler``    ``torch.profiler`` reduced to a category table, GPU-busy, phases and a timeline figure
 - ``timing``      timing GPU work honestly: wall, CUDA-event and host clocks, spread, GPU-busy, a verdict
 - ``memsnap``     the allocator's history: memory over time by origin, its peak, the survivors of a step
+
+Communication (written for chapter 7; not yet used by a chapter)
+- ``collectives`` collectives timed in launched processes (nccl-tests' bus bandwidth), and read from a trace
 
 Showing results
 - ``plots``       one figure style, stacked memory bars, line series

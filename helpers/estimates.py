@@ -10,6 +10,9 @@ names as ``accounting.model_state_bytes`` measures: ``weights``, ``gradients``, 
   and ZeRO stages 1-3 (Rajbhandari et al. 2020, figure 1), with the paper's mixed-precision
   defaults (2-byte weights and gradients, K = 12 optimizer bytes per parameter) or any other
   recipe. ``PAPER_7_5B_GB`` is the paper's example, in its units (GB = 10**9 bytes).
+- ``engine_transfers`` / ``communication_table``: the collectives each engine (DDP, ZeRO-1 as PyTorch
+  runs it, FSDP as ZeRO-2 and ZeRO-3) runs per step, with the bytes each rank sends and the "bus
+  bytes" of nccl-tests (``bus_factor``), against the paper's section 7 (``PAPER_COMM_VOLUME_PSI``).
 
 >>> zero_model_state_bytes(7.5e9, 64, "zero3")["total"] / 1e9   # 1.875 GB per GPU
 """
@@ -17,6 +20,7 @@ names as ``accounting.model_state_bytes`` measures: ``weights``, ``gradients``, 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import pandas as pd
 
@@ -144,3 +148,143 @@ def zero_table(
         for n in n_gpus
     }
     return pd.DataFrame(rows).T.rename_axis("GPUs")
+
+
+# --- communication: bytes per rank per step, by engine ---------------------------------------------
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+COMM_LABELS = {
+    "ddp": "DDP",
+    "zero1": "ZeRO-1 as run (DDP + ZeroRedundancyOptimizer)",
+    "zero2": "ZeRO-2 (FSDP, kept after forward)",
+    "zero3": "ZeRO-3 (FSDP, FULL_SHARD)",
+}
+# Rajbhandari et al. 2020, section 7.2: data moved per process per step, in units of Psi elements, for
+# large N (the (N-1)/N of a ring taken as 1). Baseline data parallelism: an all-reduce = reduce-scatter
+# + all-gather, 2 Psi. P_os and P_os+g: the same 2 Psi (a reduce-scatter of gradients, an all-gather
+# of updated parameters). P_os+g+p: parameters all-gathered in forward and again in backward plus the
+# gradients' reduce-scatter, 3 Psi, "1.5x" the baseline.
+PAPER_COMM_VOLUME_PSI = {"ddp": 2.0, "zero1": 2.0, "zero2": 2.0, "zero3": 3.0}
+
+
+def _check_collective(collective: str, n_ranks: int) -> None:
+    if collective not in COLLECTIVES:
+        raise ValueError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}")
+    if int(n_ranks) != n_ranks or n_ranks < 1:
+        raise ValueError(f"n_ranks must be a positive integer, got {n_ranks}")
+
+
+def bus_factor(collective: str, n_ranks: int) -> float:
+    """nccl-tests' factor from algorithm to bus bandwidth: 2(n-1)/n, (n-1)/n, (n-1)/n or 1.
+
+    Not used in a chapter yet (written for chapter 7's communication measurements).
+    """
+    _check_collective(collective, n_ranks)
+    n = n_ranks
+    return {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": (n - 1) / n,
+            "broadcast": 1.0}[collective]
+
+
+def sent_factor(collective: str, n_ranks: int) -> float:
+    """Bytes one rank sends per byte of ``S`` with bandwidth-optimal (ring) algorithms, averaged over ranks.
+
+    Equal to ``bus_factor`` except for broadcast: one root's ``S`` bytes reach ``n - 1`` ranks, so the
+    ranks send ``(n-1) S`` together, ``(n-1)/n S`` each on average, although the root's link carries
+    all ``S`` (which is why its bus factor is 1).
+
+    Not used in a chapter yet (written for chapter 7's communication measurements).
+    """
+    _check_collective(collective, n_ranks)
+    return (n_ranks - 1) / n_ranks if collective == "broadcast" else bus_factor(collective, n_ranks)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One kind of collective an engine runs each step: ``size_bytes`` (``S``, summed over the step's calls).
+
+    Not used in a chapter yet (written for chapter 7's communication measurements).
+    """
+
+    engine: str
+    when: str
+    collective: str
+    size_bytes: float
+    n_ranks: int
+
+    @property
+    def sent_per_rank_bytes(self) -> float:
+        return self.size_bytes * sent_factor(self.collective, self.n_ranks)
+
+    @property
+    def bus_bytes(self) -> float:
+        """Bytes over the busiest link: divided by the measured bus bandwidth, the time it takes."""
+        return self.size_bytes * bus_factor(self.collective, self.n_ranks)
+
+
+def engine_transfers(
+    engine: str, n_params: float, n_ranks: int, *, param_bytes: float = 4, grad_bytes: float = 4
+) -> list[Transfer]:
+    """The collectives of one training step of ``engine`` on ``n_ranks`` data-parallel ranks.
+
+    - ``ddp``: the gradients all-reduced during backward (``S = Psi x grad_bytes``).
+    - ``zero1``, as PyTorch runs it (DDP + ``ZeroRedundancyOptimizer``): DDP's all-reduce, then after
+      the step every rank broadcasts the parameters it updated, ``n`` broadcasts of ``Psi/n`` each:
+      1.5x DDP's bytes when parameters and gradients have the same width. In time it costs more
+      on few ranks: the broadcasts run one after another and each is limited by its root's link
+      (bus factor 1), so on 2 ranks the parameters take as long as DDP's whole all-reduce (the
+      ``bus bytes`` are 2x DDP's, falling to 1.5x for many ranks). (The paper's ZeRO-1
+      reduce-scatters the gradients instead and moves 2 Psi, like DDP.)
+    - ``zero2`` (FSDP with gathered parameters kept from forward to backward): an all-gather of the
+      parameters in forward and a reduce-scatter of the gradients in backward: DDP's bytes.
+    - ``zero3`` (FSDP ``FULL_SHARD``): all-gather in forward, again in backward, and the
+      reduce-scatter: 1.5x DDP. FSDP2 keeps its root unit (here the embeddings, final norm and head)
+      gathered from forward to backward, so it all-gathers slightly less than this in backward.
+
+    ``param_bytes`` and ``grad_bytes`` are the widths on the wire (4 for the fp32 training of chapter 7;
+    2 where FSDP's mixed-precision policy gathers and reduces in bf16).
+
+    Not used in a chapter yet (written for chapter 7's communication measurements).
+    """
+    if engine not in STAGES:
+        raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(STAGES)}")
+    if n_params < 0 or min(param_bytes, grad_bytes) <= 0:
+        raise ValueError("need n_params >= 0 and positive bytes per element")
+    _check_collective("all_reduce", n_ranks)
+    p, g = n_params * param_bytes, n_params * grad_bytes
+    steps = {
+        "ddp": [("backward", "all_reduce", g)],
+        "zero1": [("backward", "all_reduce", g), ("after the optimizer step", "broadcast", p)],
+        "zero2": [("forward", "all_gather", p), ("backward", "reduce_scatter", g)],
+        "zero3": [("forward", "all_gather", p), ("backward", "all_gather", p), ("backward", "reduce_scatter", g)],
+    }[engine]
+    return [Transfer(engine, when, coll, size, n_ranks) for when, coll, size in steps]
+
+
+def communication_table(
+    n_params: float, n_ranks: int, *, engines: Sequence[str] = STAGES, param_bytes: float = 4,
+    grad_bytes: float = 4,
+) -> pd.DataFrame:
+    """One row per engine and collective: ``S``, the bytes each rank sends and the bus bytes, per step.
+
+    Sum a column by engine for the step's total; ``ratio_to_ddp`` divides those totals by DDP's.
+
+    Not used in a chapter yet (written for chapter 7's communication measurements).
+    """
+    rows = [
+        {"engine": t.engine, "when": t.when, "collective": t.collective, "S (bytes)": t.size_bytes,
+         "sent per rank (bytes)": t.sent_per_rank_bytes, "bus bytes": t.bus_bytes}
+        for e in engines for t in engine_transfers(e, n_params, n_ranks, param_bytes=param_bytes,
+                                                   grad_bytes=grad_bytes)
+    ]
+    return pd.DataFrame(rows)
+
+
+def ratio_to_ddp(table: pd.DataFrame, column: str = "sent per rank (bytes)") -> pd.Series:
+    """Each engine's per-step total of ``column`` over DDP's (the table must include DDP).
+
+    Not used in a chapter yet (written for chapter 7's communication measurements).
+    """
+    totals = table.groupby("engine", sort=False)[column].sum()
+    if "ddp" not in totals.index:
+        raise ValueError("the table has no DDP rows to compare with")
+    return totals / totals["ddp"]

@@ -30,7 +30,7 @@
 #   `DistributedDataParallel`, and checked against one process on the whole batch;
 # - how tensor parallelism splits a matrix product by columns and by rows, an MLP block and attention by
 #   heads, and what each split must communicate; how pipeline parallelism leaves GPUs idle (the bubble);
-# - the ZeRO formula for per-GPU memory of model states ({cite:t}`rajbhandari2020zero`), reproducing the
+# - the ZeRO formula for per-GPU memory of model states ([Rajbhandari et al., 2020](../book/references.md)), reproducing the
 #   paper's 7.5B example;
 # - ZeRO for real: the same model trained under DDP, `ZeroRedundancyOptimizer` (ZeRO-1) and FSDP
 #   (ZeRO-2-like and ZeRO-3), launched with `torchrun`, measured per rank, and compared with the formula;
@@ -154,15 +154,18 @@ dp_check.map("{:.1e}".format)
 # Both data-parallel gradients match the single process's on every rank: the largest difference is
 # {glue:text}`dp_max_rel_diff:.1e` of a tensor's largest gradient, which is float64 rounding (the sums run in a
 # different order). A rank's own shard alone misses by {glue:text}`dp_local_rel_diff:.0%` or more. The
-# all-reduce moves one gradient per parameter per step. The manual loop starts it after the backward pass has
-# finished; DDP starts each bucket's all-reduce as soon as its gradients are ready, while the backward pass
-# goes on with earlier layers.
+# all-reduce runs once per step on every gradient. A bandwidth-optimal way to all-reduce large messages, and one
+# that NCCL uses, is a *ring*: the ranks pass chunks of $1/N$ of the buffer around a ring, $N-1$ steps to sum them (a
+# reduce-scatter) and $N-1$ steps to hand the sums to everyone (an all-gather), so each rank sends, and
+# receives, $2(N-1)/N$ times the gradient bytes: exactly the gradients on 2 GPUs, almost twice them on many.
+# The manual loop starts the all-reduce after the backward pass has finished; DDP starts each bucket's
+# all-reduce as soon as its gradients are ready, while the backward pass goes on with earlier layers.
 
 # %% [markdown]
 # ## 7.2 Tensor parallelism by hand: splitting the matrix products
 #
 # Data parallelism copies the model. Model parallelism splits it: **tensor parallelism** splits each layer's
-# weight matrices over GPUs ({cite:t}`shoeybi2019megatron`, Megatron-LM), **pipeline parallelism** gives
+# weight matrices over GPUs ([Shoeybi et al., 2019](../book/references.md), Megatron-LM), **pipeline parallelism** gives
 # each GPU a range of layers. A matrix product $Y = XA$ can be split two ways:
 #
 # - by **columns**: $A = [A_1, A_2]$, so $Y = [XA_1, XA_2]$. Each GPU needs all of $X$ and produces a slice of
@@ -239,7 +242,9 @@ print(f"attention with {heads} heads split over 2 GPUs ({heads // 2} heads each)
 # **What it costs.** A tensor-parallel transformer layer all-reduces its $b \times s \times h$ output twice in
 # the forward pass (after attention and after the MLP) and twice in the backward pass (the gradients with
 # respect to the inputs), every layer, every step. Data parallelism all-reduces each gradient once per step.
-# For this book's 1.3B model at batch 4, sequence 256, with 16-bit activations and fp32 gradients:
+# For this book's 1.3B model at batch 4, sequence 256, with 16-bit activations and fp32 gradients, the sizes
+# of the all-reduced buffers (with a ring on $N$ GPUs each rank sends $2(N-1)/N$ times these: as much on 2
+# GPUs, nearly twice as much on many; the factor is the same for both kinds, so the comparison holds):
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -261,16 +266,16 @@ print(comm.to_string(float_format="{:,.2f}".format))
 
 
 # %% [markdown]
-# Tensor parallelism sends less here ({glue:text}`tp_model_mib:,.0f` MiB against
+# Tensor parallelism all-reduces less here ({glue:text}`tp_model_mib:,.0f` MiB against
 # {glue:text}`dp_grads_mib:,.0f` MiB), but as {glue:text}`tp_messages` all-reduces per step that sit
 # *between* the layers' computations: every layer waits for its messages. Gradient all-reduces can overlap with
 # the rest of the backward pass. That is why tensor parallelism is kept inside one machine, on NVLink, and data
-# parallelism goes between machines ({cite:p}`narayanan2021efficient`).
+# parallelism goes between machines ([Narayanan et al., 2021](../book/references.md)).
 #
 # **Pipeline parallelism** gives each of $p$ GPUs a consecutive range of layers (a *stage*). Activations flow
 # forward from stage to stage and gradients flow back: the communication is small, one activation tensor per
 # stage boundary. The cost is idle time. With one batch, stage 2 waits for stage 1's forward, and stage 1 for
-# stage 2's backward. GPipe ({cite:t}`huang2019gpipe`) cuts the batch into $m$ *micro-batches* that follow
+# stage 2's backward. GPipe ([Huang et al., 2019](../book/references.md)) cuts the batch into $m$ *micro-batches* that follow
 # each other through the pipeline. The schedule below is computed, not measured: each stage runs its tasks in
 # order (all forwards, then all backwards), each as soon as its input is ready, with a backward taking twice
 # as long as a forward (chapter 1).
@@ -332,14 +337,14 @@ fig.tight_layout()
 # With one micro-batch, {glue:text}`bubble_m1:.0%` of the GPUs' time is idle: each GPU waits while the others
 # work. Eight micro-batches bring it to {glue:text}`bubble_m8:.0%`, 32 to {glue:text}`bubble_m32:.0%`. More
 # micro-batches cost memory: GPipe keeps every micro-batch's activations until its backward pass. The
-# "one forward, one backward" (1F1B) schedule of {cite:t}`narayanan2021efficient` has the same bubble but
+# "one forward, one backward" (1F1B) schedule of [Narayanan et al. (2021)](../book/references.md) has the same bubble but
 # starts backward passes early, so a stage holds at most $p$ micro-batches' activations.
 
 # %% [markdown]
 # ## 7.3 ZeRO by formula
 #
 # Data parallelism copies everything to every GPU: parameters, gradients and optimizer states, the *model
-# states*. ZeRO ({cite:t}`rajbhandari2020zero`, "Zero Redundancy Optimizer") removes the copies in three
+# states*. ZeRO ([Rajbhandari et al., 2020](../book/references.md), "Zero Redundancy Optimizer") removes the copies in three
 # stages: each of the $N_d$ GPUs keeps $1/N_d$ of the optimizer states (stage 1, $P_{os}$), then also of the
 # gradients (stage 2, $P_{os+g}$), then also of the parameters (stage 3, $P_{os+g+p}$), and fetches what it
 # needs when it needs it. With $\Psi$ parameters, mixed precision with Adam keeps fp16 parameters and
@@ -389,10 +394,14 @@ glue("zero2_floor_gib", 2 * psi / GIB)
 # %% [markdown]
 # ZeRO-1 and ZeRO-2 level off: however many GPUs, each keeps the full fp16 parameters and (ZeRO-1) gradients,
 # $4\Psi$ = {glue:text}`zero1_floor_gib:.1f` GiB and $2\Psi$ = {glue:text}`zero2_floor_gib:.1f` GiB. Only
-# ZeRO-3 keeps falling as $1/N_d$. The price is communication. Stages 1 and 2 send as much as plain data
-# parallelism (an all-reduce is a reduce-scatter followed by an all-gather; ZeRO-2 keeps the first half for the
-# gradients and does the second half on the updated parameters); stage 3 also gathers every layer's parameters
-# in the forward pass and again in the backward pass, 1.5 times the traffic according to the paper.
+# ZeRO-3 keeps falling as $1/N_d$. The price is communication, which the paper counts per GPU and step
+# (its section 7, for many GPUs): plain data parallelism moves $2\Psi$ elements, since its all-reduce is a
+# reduce-scatter followed by an all-gather (with a ring, $2(N_d-1)/N_d \cdot \Psi$ from each GPU: this
+# chapter's section 7.1). The paper's stages 1 and 2 move the same $2\Psi$: they reduce-scatter the gradients, each GPU updates its share of the
+# parameters, and an all-gather of the updated parameters replaces the all-reduce's second half. Stage 3
+# also gathers every layer's parameters in the forward pass and again in the backward pass: $3\Psi$, 1.5
+# times data parallelism. Implementations differ: the ZeRO-1 that PyTorch offers (next section) keeps DDP's
+# whole all-reduce and then broadcasts the updated parameters, about 1.5 times DDP's bytes as well.
 
 # %% [markdown]
 # ## 7.4 ZeRO for real: DDP, ZeroRedundancyOptimizer and FSDP, launched with torchrun
@@ -404,8 +413,10 @@ glue("zero2_floor_gib", 2 * psi / GIB)
 #   second, gradient-sized copy for communication.
 # - **ZeRO-1**: DDP plus `torch.distributed.optim.ZeroRedundancyOptimizer`, which gives each rank the
 #   optimizer (and its states) for a share of the parameters, and broadcasts the updated parameters after
-#   the step.
-# - **FSDP** ({cite:t}`zhao2023fsdp`), here FSDP2's `fully_shard`, applied to every transformer block and
+#   the step. It sends DDP's all-reduce *plus* those broadcasts: per rank $2(N-1)/N$ times the gradient
+#   bytes and $(N-1)/N$ times the parameter bytes, about 1.5 times DDP's traffic when both are fp32 (the
+#   paper's ZeRO-1 reduce-scatters the gradients instead and sends no more than DDP).
+# - **FSDP** ([Zhao et al., 2023](../book/references.md)), here FSDP2's `fully_shard`, applied to every transformer block and
 #   then to the whole model: parameters, gradients and optimizer states are sharded *at rest*. A block's
 #   parameters are all-gathered just before it runs and its gradients reduce-scattered right after its
 #   backward. With `reshard_after_forward=True` the gathered parameters are freed after each block's forward
@@ -561,6 +572,15 @@ if prof.is_full and prof.on_gpu:
 # communication, here over NVLink between two GPUs of one machine; section 7.6 says what changes over a
 # network.
 #
+# **Scaling from 1 to 2 GPUs.** Each rank trains 4 sequences per step, so two GPUs train twice the samples
+# of one in each step, and the throughput ratio is $2 \times t_1 / t_2$ for step times $t_1$ on one GPU and
+# $t_2$ on two. *From the committed 2-GPU run shown above* (typed here rather than computed by a code cell,
+# the one exception in this chapter, because it has not been re-executed on two GPUs since; the table above
+# shows your own run's step times): DDP's steps of 0.218 s on one GPU and 0.231 s on two give
+# 1.89 times the throughput, a scaling efficiency of 94%; ZeRO-1 gives 1.86 times, FSDP's ZeRO-2 1.99 and
+# ZeRO-3 1.98. Only three timed steps per engine were kept, as a median without its spread, so these
+# differences between engines are not established; that the second GPU nearly doubles the throughput is.
+#
 # The engines change where the states live, not the arithmetic: on each world size, rank 0's losses are the
 # same under all four (they differ only by the order in which gradients were summed).
 
@@ -583,6 +603,12 @@ loss_table.map("{:.4f}".format)
 Code((SCRIPTS / "accelerate_fsdp.yaml").read_text(), language="yaml")
 
 # %% [markdown]
+# `mixed_precision: "no"` is accelerate's own setting (the config key, or `--mixed_precision` on the
+# command line; choices `no`, `fp16`, `bf16`, `fp8`): the run trains in fp32, like every other run of this
+# chapter. `bf16` would make accelerate wrap the forward pass in bf16 autocast and, under FSDP, also gather
+# parameters and reduce gradients in bf16 (an FSDP mixed-precision policy); the script's own `--bf16` flag
+# (exercise 2) turns on autocast only.
+#
 # The training script stays as it is. Its `accelerate` strategy (shown above in `wrap`) hands model and
 # optimizer to `Accelerator.prepare` and returns `accelerator.backward`; the loop, the measurements and the
 # results are the same code as for the other strategies. accelerate applies an FSDP configuration only on
@@ -632,8 +658,9 @@ print("DeepSpeed is installed, but this chapter runs only the FSDP config" if de
 # goes over the network (InfiniBand or Ethernet), with far less bandwidth per GPU, and that decides which
 # parallelism goes where: tensor parallelism, which communicates inside every layer, stays within a machine;
 # pipeline stages and data parallelism (with ZeRO) span machines. ZeRO-3 trades memory for traffic (1.5
-# times DDP's); across a slow network, ZeRO-1 or 2, or FSDP's hybrid sharding (shard within a machine,
-# replicate across machines) may train faster.
+# times DDP's), and so does PyTorch's ZeRO-1 (DDP's all-reduce plus the parameters' broadcast); across a slow
+# network, ZeRO-2 (DDP's bytes), a ZeRO-1 that reduce-scatters the gradients as the paper describes, or FSDP's
+# hybrid sharding (shard within a machine, replicate across machines) may train faster.
 #
 # The script itself does not change. `torchrun` is started once on every machine, with the number of
 # machines, this machine's index and one address where they all meet:
@@ -672,7 +699,9 @@ shutil.rmtree(WORK, ignore_errors=True)  # the launched processes' results, no l
 # All in GiB; "states" includes the parameters gathered between forward and backward.
 #
 # - Data parallelism averages gradients with an all-reduce; the result equals one process's gradient on the
-#   whole batch (checked, by hand and with DDP).
+#   whole batch (checked, by hand and with DDP). A ring all-reduce sends $2(N-1)/N$ of the gradient bytes per
+#   rank; PyTorch's ZeRO-1 adds a broadcast of the parameters (about 1.5 times DDP's traffic), FSDP's ZeRO-2
+#   sends what DDP sends and ZeRO-3 1.5 times as much.
 # - Tensor parallelism splits weight matrices by columns and rows; an MLP block or an attention layer needs
 #   one all-reduce in each direction, inside every layer. Pipeline parallelism splits layers and pays with
 #   idle time, $(p-1)/(m+p-1)$ with GPipe.
@@ -770,9 +799,11 @@ shutil.rmtree(WORK, ignore_errors=True)  # the launched processes' results, no l
 #
 # ## References
 #
-# - {cite:t}`rajbhandari2020zero`: ZeRO's three stages, the memory formula and figure 1, the communication
-#   volumes.
-# - {cite:t}`shoeybi2019megatron`: tensor parallelism of the MLP block and of attention.
-# - {cite:t}`zhao2023fsdp`: PyTorch FSDP.
-# - {cite:t}`huang2019gpipe` and {cite:t}`narayanan2021efficient`: pipeline schedules and their bubble.
-# - {cite:t}`heo2024llm`, chapter 5: data, pipeline and tensor parallelism and ZeRO, in pictures.
+# - [Rajbhandari et al. (2020)](../book/references.md): ZeRO's three stages, the memory formula and figure 1, the
+#   communication volumes (section 7).
+# - [Shoeybi et al. (2019)](../book/references.md): tensor parallelism of the MLP block and of attention.
+# - [Zhao et al. (2023)](../book/references.md): PyTorch FSDP.
+# - [Huang et al. (2019)](../book/references.md) and [Narayanan et al. (2021)](../book/references.md): pipeline schedules and their bubble.
+# - [Heo (2024)](../book/references.md), chapter 5: data, pipeline and tensor parallelism and ZeRO, in pictures.
+# - Hugging Face accelerate documentation: the `accelerate launch` options and the config file's keys
+#   (`mixed_precision`, `fsdp_config`).

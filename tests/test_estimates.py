@@ -125,3 +125,60 @@ def test_zero_table_rows_and_columns():
     table = estimates.zero_table(100, [1, 2, 8])
     assert list(table.index) == [1, 2, 8] and list(table.columns) == list(estimates.STAGES)
     assert table.loc[8, "zero3"] == 200 and table.loc[1, "zero3"] == 1600
+
+
+# --- communication per step ---
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8, 64])
+def test_bus_factors_are_the_nccl_tests_ones(n):
+    assert estimates.bus_factor("all_reduce", n) == pytest.approx(2 * (n - 1) / n)
+    assert estimates.bus_factor("reduce_scatter", n) == pytest.approx((n - 1) / n)
+    assert estimates.bus_factor("all_gather", n) == pytest.approx((n - 1) / n)
+    assert estimates.bus_factor("broadcast", n) == 1.0
+    # an all-reduce is a reduce-scatter followed by an all-gather: the factors add up
+    assert estimates.bus_factor("all_reduce", n) == pytest.approx(
+        estimates.bus_factor("reduce_scatter", n) + estimates.bus_factor("all_gather", n))
+    assert estimates.sent_factor("broadcast", n) == pytest.approx((n - 1) / n)
+
+
+def totals(n_params, n, **kw):
+    table = estimates.communication_table(n_params, n, **kw)
+    return table.groupby("engine")["sent per rank (bytes)"].sum()
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_engine_bytes_follow_the_formulas(n):
+    psi = 1e9
+    sent = totals(psi, n)
+    ring = 2 * (n - 1) / n * psi * 4  # DDP: a ring all-reduce of fp32 gradients
+    assert sent["ddp"] == pytest.approx(ring)
+    assert sent["zero1"] == pytest.approx(1.5 * ring)  # + the parameter broadcasts, as PyTorch runs ZeRO-1
+    assert sent["zero2"] == pytest.approx(ring)  # reduce-scatter + one all-gather: DDP's bytes
+    assert sent["zero3"] == pytest.approx(1.5 * ring)  # + the backward all-gather
+    ratio = estimates.ratio_to_ddp(estimates.communication_table(psi, n))
+    assert ratio.to_dict() == pytest.approx({"ddp": 1.0, "zero1": 1.5, "zero2": 1.0, "zero3": 1.5})
+    bus = estimates.ratio_to_ddp(estimates.communication_table(psi, n), "bus bytes")
+    assert bus["zero1"] == pytest.approx(1 + n / (2 * (n - 1)))  # sequential broadcasts: 2x DDP's time at n = 2
+    assert bus["zero3"] == pytest.approx(1.5)
+
+
+def test_engine_bytes_reach_the_papers_volumes_for_many_ranks():
+    """Rajbhandari et al. 2020, section 7.2: 2 Psi (DP, P_os+g) and 3 Psi (P_os+g+p) per process, large N."""
+    psi, n = 1e9, 4096
+    sent = totals(psi, n, param_bytes=1, grad_bytes=1)  # in elements
+    for engine in ("ddp", "zero2", "zero3"):
+        assert sent[engine] / psi == pytest.approx(estimates.PAPER_COMM_VOLUME_PSI[engine], rel=1e-3)
+    # ZeRO-1 as PyTorch runs it moves 3 Psi, 1.5x the paper's P_os (which reduce-scatters instead)
+    assert sent["zero1"] / psi == pytest.approx(1.5 * estimates.PAPER_COMM_VOLUME_PSI["zero1"], rel=1e-3)
+
+
+def test_widths_and_bad_engines():
+    bf16 = totals(1e6, 2, param_bytes=2, grad_bytes=2)
+    fp32 = totals(1e6, 2)
+    assert (bf16 * 2).to_dict() == pytest.approx(fp32.to_dict())
+    one = estimates.communication_table(1e6, 1)
+    assert (one["sent per rank (bytes)"] == 0).all()  # nothing to send alone ...
+    assert one.loc[one.collective == "broadcast", "bus bytes"].item() == 4e6  # ... though a broadcast's factor is 1
+    with pytest.raises(ValueError, match="engine"):
+        estimates.engine_transfers("zero4", 1e6, 2)

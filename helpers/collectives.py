@@ -1,0 +1,303 @@
+"""Collectives timed: bus bandwidth against message size, inside launched processes, and from a trace.
+
+- **Bandwidth definitions** of NVIDIA's ``nccl-tests`` (doc/PERFORMANCE.md). For a collective on
+  ``S`` bytes that took ``t`` seconds on ``n`` ranks, the *algorithm bandwidth* is ``S / t`` and the
+  *bus bandwidth* is ``algbw x factor``, with the factor ``2(n-1)/n`` for all-reduce, ``(n-1)/n`` for
+  reduce-scatter and all-gather, ``1`` for broadcast (``estimates.bus_factor``). The bus bandwidth
+  is the number to hold against a link's nominal bandwidth, whatever ``n`` is. ``S`` is the whole
+  buffer: for all-gather the gathered output, for reduce-scatter the input (``n`` x each share).
+- **Timing** a collective inside a launched process (``time_collective``, ``sweep``): a barrier and a
+  device synchronisation before every repeat, warm-up calls first, at least 10 timed repeats; a
+  repeat's time is the slowest rank's (a collective is done when the last rank is), and the
+  result keeps every repeat for the median and the spread. Run it under ``torchrun`` with gloo on
+  CPUs or NCCL on GPUs (chapter 7's ``scripts/collectives_bench.py``).
+- **A profiler trace's** communication kernels per collective (``communication_from_trace``), to hold
+  against the bytes per step that ``estimates.communication_table`` predicts for each engine.
+
+Not used in a chapter yet: chapter 7 gains a communication section when it can be executed again on
+several GPUs.
+
+>>> t = time_collective("all_reduce", 2**26, device="cuda")   # on every rank of a process group
+>>> t.record()["busbw_gb_s"]
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from helpers.estimates import COLLECTIVES, bus_factor
+from helpers.profiler import kernel_category
+from helpers.timing import Spread
+
+GB = 1e9  # bandwidth in GB/s (decimal), as nccl-tests and link specifications print it
+
+
+def algorithm_bandwidth(size_bytes: float, time_s: float) -> float:
+    """``S / t`` in bytes per second.
+
+    Not used in a chapter yet (written for chapter 7's communication measurements).
+    """
+    if time_s <= 0 or size_bytes < 0:
+        raise ValueError(f"need size_bytes >= 0 and time_s > 0, got {size_bytes} and {time_s}")
+    return size_bytes / time_s
+
+
+def bus_bandwidth(collective: str, size_bytes: float, time_s: float, n_ranks: int) -> float:
+    """Algorithm bandwidth times ``bus_factor``, in bytes per second.
+
+    Not used in a chapter yet (written for chapter 7's communication measurements).
+    """
+    return algorithm_bandwidth(size_bytes, time_s) * bus_factor(collective, n_ranks)
+
+
+# --- timing, inside a launched process --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CollectiveTiming:
+    """One collective at one size: every timed repeat (the slowest rank's time, seconds) and the bandwidths.
+
+    ``size_bytes`` is ``S`` in the nccl-tests sense (see the module docstring).
+
+    Not used in a chapter yet (written for chapter 7's communication measurements).
+    """
+
+    collective: str
+    size_bytes: int
+    n_ranks: int
+    backend: str
+    device: str
+    times_s: tuple[float, ...]
+
+    @property
+    def spread(self) -> Spread:
+        return Spread.of(self.times_s)
+
+    def record(self) -> dict[str, float | int | str]:
+        """A flat dict: sizes, median / quartile / extreme times and bandwidths in GB/s (medians)."""
+        s = self.spread
+        return {
+            "collective": self.collective, "size_bytes": self.size_bytes, "n_ranks": self.n_ranks,
+            "backend": self.backend, "device": self.device, "repeats": len(self.times_s),
+            "time_median_s": s.median, "time_q1_s": s.q1, "time_q3_s": s.q3, "time_min_s": s.min,
+            "time_max_s": s.max,
+            "algbw_gb_s": algorithm_bandwidth(self.size_bytes, s.median) / GB,
+            "busbw_gb_s": bus_bandwidth(self.collective, self.size_bytes, s.median, self.n_ranks) / GB,
+            "busbw_best_gb_s": bus_bandwidth(self.collective, self.size_bytes, s.min, self.n_ranks) / GB,
+        }
+
+
+def _buffers(collective: str, size_bytes: int, n: int, rank: int, device: torch.device, dtype: torch.dtype):
+    """Input and output tensors for one collective on ``S`` bytes (``S`` rounded down to n elements)."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    numel = max(n, (size_bytes // elem) // n * n)  # whole buffer, divisible into n shares
+    share = numel // n
+    if collective == "all_reduce" or collective == "broadcast":
+        return torch.full((numel,), float(rank + 1), dtype=dtype, device=device), None, numel * elem
+    if collective == "reduce_scatter":
+        return (torch.full((numel,), float(rank + 1), dtype=dtype, device=device),
+                torch.empty(share, dtype=dtype, device=device), numel * elem)
+    return (torch.full((share,), float(rank + 1), dtype=dtype, device=device),
+            torch.empty(numel, dtype=dtype, device=device), numel * elem)
+
+
+def _run(collective: str, inp: torch.Tensor, out: torch.Tensor | None, group) -> None:
+    import torch.distributed as dist
+
+    if collective == "all_reduce":
+        dist.all_reduce(inp, group=group)
+    elif collective == "broadcast":
+        dist.broadcast(inp, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    elif collective == "reduce_scatter":  # the single-tensor forms (renamed in torch 2.13)
+        (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, inp, group=group)
+    else:
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, inp, group=group)
+
+
+def _expected(collective: str, n: int, rank: int) -> float:
+    """Every element's value after one call, when rank r's buffers start filled with r + 1."""
+    return {"all_reduce": n * (n + 1) / 2, "reduce_scatter": n * (n + 1) / 2, "broadcast": 1.0}.get(collective, 0.0)
+
+
+def time_collective(
+    collective: str,
+    size_bytes: int,
+    *,
+    device: str | torch.device,
+    dtype: torch.dtype = torch.float32,
+    warmup: int = 5,
+    repeat: int = 20,
+    group=None,
+) -> CollectiveTiming:
+    """Time one collective on ``S = size_bytes`` bytes; call it on every rank of an initialised process group.
+
+    Before the timed calls, one call's result is checked (every rank's buffer is filled with
+    ``rank + 1``), so a wrong collective fails here instead of producing a bandwidth. Each of the
+    ``warmup`` + ``repeat`` calls starts after a barrier and a device synchronisation and ends with a
+    synchronisation; the host clock measures it. The per-rank times are all-reduced with MAX, so
+    each repeat is the slowest rank's. Small messages measure latency (launch, barrier release)
+    rather than bandwidth; nccl-tests times many back-to-back calls instead, which gives smaller
+    times there and the same large-message bandwidth.
+
+    Not used in a chapter yet (written for chapter 7's communication measurements).
+    """
+    import torch.distributed as dist
+
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    if collective not in COLLECTIVES:
+        raise ValueError(f"unknown collective {collective!r}; choose one of {', '.join(COLLECTIVES)}")
+    if repeat < 10:
+        raise ValueError(f"repeat must be >= 10 (a spread needs samples), got {repeat}")
+    device = torch.device(device)
+    inp, out, size = _buffers(collective, int(size_bytes), n, rank, device, dtype)
+    _run(collective, inp, out, group)
+    got = out if collective in ("reduce_scatter", "all_gather") else inp
+    if collective == "all_gather":
+        want = torch.arange(1, n + 1, dtype=dtype, device=device).repeat_interleave(got.numel() // n)
+    else:
+        want = torch.full_like(got, _expected(collective, n, rank))
+    if not torch.equal(got, want):
+        raise RuntimeError(f"{collective} on rank {rank} returned wrong values: the collective is broken")
+    times = []
+    for i in range(warmup + repeat):
+        inp.fill_(rank + 1)  # the same work every call (all-reduce would otherwise grow its input)
+        dist.barrier(group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        _run(collective, inp, out, group)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return CollectiveTiming(collective, size, n, dist.get_backend(group), str(device.type),
+                            tuple(slowest.cpu().tolist()))
+
+
+def sizes_between(min_bytes: int, max_bytes: int, factor: int = 4) -> list[int]:
+    """``min_bytes``, ``min_bytes x factor``, ... up to ``max_bytes`` (nccl-tests' ``-b``, ``-e``, ``-f``).
+
+    Not used in a chapter yet (written for chapter 7's communication measurements).
+    """
+    if min_bytes < 1 or max_bytes < min_bytes or factor < 2:
+        raise ValueError(f"need 1 <= min_bytes <= max_bytes and factor >= 2, got {min_bytes}, {max_bytes}, {factor}")
+    sizes, s = [], int(min_bytes)
+    while s <= max_bytes:
+        sizes.append(s)
+        s *= factor
+    return sizes
+
+
+def sweep(
+    sizes_bytes: Iterable[int], collectives: Sequence[str] = COLLECTIVES, **kwargs
+) -> list[CollectiveTiming]:
+    """``time_collective`` for every collective and size (every rank must call it with the same arguments).
+
+    Not used in a chapter yet (written for chapter 7's communication measurements).
+    """
+    return [time_collective(c, s, **kwargs) for c in collectives for s in sizes_bytes]
+
+
+def bandwidth_table(records: pd.DataFrame | Sequence[dict]) -> pd.DataFrame:
+    """The records of ``CollectiveTiming.record`` as a table: one row per collective and size (MiB).
+
+    Not used in a chapter yet (written for chapter 7's communication measurements).
+    """
+    df = pd.DataFrame(list(records) if not isinstance(records, pd.DataFrame) else records)
+    table = pd.DataFrame({
+        "collective": df["collective"],
+        "size (MiB)": df["size_bytes"] / 2**20,
+        "time median (ms)": df["time_median_s"] * 1e3,
+        "time IQR (ms)": (df["time_q3_s"] - df["time_q1_s"]) * 1e3,
+        "algbw (GB/s)": df["algbw_gb_s"],
+        "busbw (GB/s)": df["busbw_gb_s"],
+        "busbw, fastest repeat (GB/s)": df["busbw_best_gb_s"],
+    })
+    return table.set_index(["collective", "size (MiB)"]).sort_index()
+
+
+# --- communication kernels of a profiler trace --------------------------------------------------------
+
+# Element sizes of the dtype names PyTorch writes into NCCL kernels' trace arguments.
+_DTYPE_BYTES = {"float": 4, "float32": 4, "double": 8, "float64": 8, "half": 2, "float16": 2, "bfloat16": 2,
+                "long": 8, "int64": 8, "int": 4, "int32": 4, "short": 2, "char": 1, "byte": 1, "bool": 1,
+                "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def collective_kind(name: str) -> str:
+    """``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast`` or ``other`` for a collective's name
+    (``allreduce``, ``_reduce_scatter_base``, ``ncclDevKernel_AllGather_RING_LL``, ...).
+
+    Not used in a chapter yet (written for chapter 7's communication measurements).
+    """
+    key = re.sub(r"[^a-z]", "", name.lower())
+    for kind, word in (("reduce_scatter", "reducescatter"), ("all_reduce", "allreduce"),
+                       ("all_gather", "allgather"), ("broadcast", "broadcast")):
+        if word in key:
+            return kind
+    return "other"
+
+
+def communication_from_trace(path: str | Path) -> pd.DataFrame:
+    """Per collective, the communication kernels of a ``torch.profiler`` Chrome trace of one rank on GPUs.
+
+    Kernels are those ``profiler.kernel_category`` calls ``communication`` (NCCL's). Their trace
+    arguments (``Collective name``, ``In msg nelems``, ``Out msg nelems``, ``dtype``, ``Group size``)
+    give ``S`` = the larger of input and output, as in nccl-tests. Returns calls, ``S`` summed (MiB),
+    kernel time (ms) and the bandwidths that implies. A kernel's time includes waiting for the other
+    ranks to arrive, so the bandwidths are lower bounds of what the link did; the time is what the
+    step spent in communication kernels (hidden behind compute or not: see the timeline).
+
+    Not used in a chapter yet (written for chapter 7's communication measurements).
+    """
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        events = json.load(f)["traceEvents"]
+    rows = []
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") != "kernel":
+            continue
+        if kernel_category(e.get("name", ""), cat="kernel") != "communication":
+            continue
+        args = e.get("args", {})
+        kind = collective_kind(str(args.get("Collective name", "")) or e["name"])
+        nelems = max(int(args.get("In msg nelems", 0) or 0), int(args.get("Out msg nelems", 0) or 0))
+        elem = _DTYPE_BYTES.get(str(args.get("dtype", "")).lower())
+        size = nelems * elem if elem else float("nan")
+        rows.append({"collective": kind, "size_bytes": size, "time_s": float(e.get("dur", 0.0)) / 1e6,
+                     "n_ranks": int(args.get("Group size", 0) or 0)})
+    columns = ["calls", "S (MiB)", "kernel time (ms)", "algbw (GB/s)", "busbw (GB/s)"]
+    if not rows:
+        return pd.DataFrame(columns=columns).rename_axis("collective")
+    df = pd.DataFrame(rows)
+    out = df.groupby("collective").agg(calls=("time_s", "size"), size=("size_bytes", "sum"),
+                                       time=("time_s", "sum"), n=("n_ranks", "max"))
+    out["algbw (GB/s)"] = out["size"] / out["time"] / GB
+    out["busbw (GB/s)"] = [
+        a * bus_factor(c, int(n)) if c in COLLECTIVES and n >= 1 else float("nan")
+        for c, a, n in zip(out.index, out["algbw (GB/s)"], out["n"], strict=True)
+    ]
+    out = out.rename(columns={"size": "S (MiB)", "time": "kernel time (ms)"})
+    out["S (MiB)"] /= 2**20
+    out["kernel time (ms)"] *= 1e3
+    return out[columns]
+
+
+def records_json(timings: Sequence[CollectiveTiming]) -> str:
+    """The timings as JSON (a list of ``record`` dicts plus the raw repeats), for a launched rank to write.
+
+    Not used in a chapter yet (written for chapter 7's communication measurements).
+    """
+    return json.dumps([t.record() | {"times_s": list(asdict(t)["times_s"])} for t in timings], indent=1)
