@@ -53,9 +53,9 @@ from helpers import env
 
 env.quiet()  # warnings without file paths, no progress bars: outputs that read the same everywhere
 
-import matplotlib.pyplot as plt
 import math
 
+import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 from IPython.display import Markdown, display
