@@ -100,7 +100,8 @@ formats["int8"] = {"bits": 8, "exponent bits": 0, "mantissa bits": 7, "max": ii.
                    "smallest subnormal": float("nan"), "epsilon": 1}
 table = pd.DataFrame(formats).T
 table[["bits", "exponent bits", "mantissa bits"]] = table[["bits", "exponent bits", "mantissa bits"]].astype(int)
-print(table.map(lambda v: f"{v:.4g}" if isinstance(v, float) else v).to_string())  # text: identical everywhere
+print(table.map(lambda v: ("—" if math.isnan(v) else f"{v:.4g}") if isinstance(v, float) else v)
+      .to_string())  # text: identical everywhere; "—": the format has no such number
 
 # %% [markdown]
 # fp16 and bf16 spend their 16 bits differently: fp16 keeps 10 mantissa bits and only 5 exponent bits (largest
