@@ -210,11 +210,13 @@ if prof.is_full and prof.on_gpu:
         gap_text = (
             f"The guide's {guide_mib:,} MiB is {gap_mib:,.0f} MiB more. Eager attention, as in the guide's day, "
             f"adds {eager_extra_mib:,.0f} MiB ({eager_extra_mib / gap_mib:.0%} of that gap): the $s \\times s$ "
-            f"attention matrices that SDPA's fused kernel does not store. The remaining {rest_mib:,.0f} MiB is not "
-            "in any tensor of this run, and this run cannot measure a V100 of 2022; the likely owner is the runtime. "
-            f"Here the CUDA context and cuBLAS took {runtime_mib:,.0f} MiB (section 1.1), with CUDA's lazy loading; "
-            "in 2022 a context loaded all of PyTorch's kernels at start-up, 1-2 GB by the guide's own account, and "
-            "the libraries' workspaces and the allocator's cache depend on the versions and the card."
+            f"attention matrices that SDPA's fused kernel does not store. The remaining {rest_mib:,.0f} MiB is memory "
+            "this run does not hold at all. A V100 with 2022's software cannot be re-measured here, so its owner is an "
+            "informed guess, mostly the runtime: here the CUDA context and cuBLAS took "
+            f"{runtime_mib:,.0f} MiB (section 1.1), with CUDA's lazy loading, while in 2022 a context loaded all of "
+            "PyTorch's kernels at start-up (1-2 GB, as the guide says); library workspaces, the allocator's cache "
+            "and the optimizer's implementation (transformers' own AdamW then, PyTorch's now) also differ between "
+            "versions and cards."
         )
     display(Markdown(
         f"Here the epoch took {baseline['time (s)']:.1f} s at {baseline['samples/s']:.1f} samples/s, "
@@ -240,7 +242,7 @@ if profiles.cuda_or_skip("the allocator's numbers exist only on a GPU"):
           f"now allocated: {freed.allocated_after_mib:,.0f} MiB, NVML used: {measure.nvml_used_mib():,.0f} MiB")
 
 # %% [markdown]
-# ## 1.3 The components, phase by phase
+# ## 1.3 The six components, phase by phase
 #
 # The guide lists six things that share the memory during training:
 #
