@@ -18,8 +18,8 @@
 #
 # A model's memory is its number of parameters times the bytes of each one. Chapter 1 counted the
 # parameters; this chapter is about the bytes. We look at what 32, 16 and 8 bits can and cannot hold, watch
-# the 16-bit formats fail in front of us, and then write the four int8 quantization schemes of the seed notes
-# by hand (absmax, zero-point, block-wise, quantile), measuring the error of each. Finally we use the
+# the 16-bit formats fail in front of us, and then write by hand the four int8 quantization schemes that
+# chapter 5 of the Korean LLM book (Heo, 2024) describes (absmax, zero-point, block-wise, quantile), measuring the error of each. Finally we use the
 # production versions in bitsandbytes and transformers, LLM.int8() and 4-bit NF4, on a layer and on the
 # whole 1.3B model, and hold their memory against the expected bytes per parameter.
 #
@@ -38,8 +38,10 @@
 # %%
 import sys
 
-if "google.colab" in sys.modules:  # Colab: install the book's helpers; torch is already there
-    # %pip install -q "gpu-efficient-training @ git+https://github.com/gpu-efficient-training/book"
+if "google.colab" in sys.modules:  # Colab only. pip adds what Colab lacks (bitsandbytes, the book's helpers)
+    # and upgrades transformers to the 5.x the book needs: nothing has imported it yet in this kernel, so no
+    # restart is needed. Colab's torch already meets the book's floor and is kept (see the setup page).
+    # %pip install -q --no-warn-conflicts "gpu-efficient-training @ git+https://github.com/gpu-efficient-training/book"
 
 from helpers import env
 
@@ -53,16 +55,18 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+from IPython.display import Markdown, display
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, GemmaConfig, MistralConfig
 
-from helpers import accounting, cleanup, measure, models, plots, profiles
+from helpers import accounting, cleanup, models, plots, profiles, timing
 from helpers.glue import glue
-from helpers.measure import GIB
+from helpers.measure import GIB, MIB
 
 plots.use_style()
 pd.options.display.float_format = "{:,.4g}".format
 prof = profiles.get()
 env.report(prof)
+baseline_mib = torch.cuda.memory_allocated() / MIB if prof.on_gpu else 0.0  # checked in the last cell
 
 # %% [markdown]
 # ## 2.1 Formats: sign, exponent, mantissa
@@ -96,12 +100,13 @@ formats["int8"] = {"bits": 8, "exponent bits": 0, "mantissa bits": 7, "max": ii.
                    "smallest subnormal": float("nan"), "epsilon": 1}
 table = pd.DataFrame(formats).T
 table[["bits", "exponent bits", "mantissa bits"]] = table[["bits", "exponent bits", "mantissa bits"]].astype(int)
-print(table.map(lambda v: f"{v:.4g}" if isinstance(v, float) else v).to_string())  # text: identical everywhere
+print(table.map(lambda v: ("—" if math.isnan(v) else f"{v:.4g}") if isinstance(v, float) else v)
+      .to_string())  # text: identical everywhere; "—": the format has no such number
 
 # %% [markdown]
 # fp16 and bf16 spend their 16 bits differently: fp16 keeps 10 mantissa bits and only 5 exponent bits (largest
 # value 65,504), bf16 keeps fp32's 8 exponent bits (the same range as fp32) and only 7 mantissa bits
-# {cite:p}`kalamkar2019bfloat16`. The two fp8 formats make the same trade at 8 bits. int8 has no exponent at
+# ([Kalamkar et al., 2019](../book/references.md)). The two fp8 formats make the same trade at 8 bits. int8 has no exponent at
 # all: 256 evenly spaced values, which is why quantizing to it needs a *scale*. The layouts, drawn to scale:
 
 # %%
@@ -147,18 +152,41 @@ for value in (0.1, 65504.0, 1e-8):
         stored = torch.tensor(value, dtype=torch.float64).to(dt).to(torch.float64).item()
         rows.append({"value": value, "format": name, "bits": bit_string(value, dt), "stored as": f"{stored:.8g}",
                      "relative error": f"{abs(stored - value) / value:.2e}" if math.isfinite(stored) else "overflow"})
-e4m3 = torch.tensor(65504.0).to(torch.float8_e4m3fn).float().item()
-glue("e4m3_65504", str(e4m3))
 glue("torch_version", torch.__version__.split("+")[0])
 pd.DataFrame(rows).set_index(["value", "format"])
 
 # %% [markdown]
 # 0.1 is off by about $2^{-m}$ in every format, as it should be. 65,504 is exact in fp16 and fp32, but bf16
-# rounds it to 65,536, and fp8 e5m2 overflows to infinity. fp8 e4m3 has no infinity at all (its largest code
-# is kept for NaN), and what a cast beyond its range gives depends on the PyTorch version: in this run's PyTorch
-# ({glue:text}`torch_version`) the result is {glue:text}`e4m3_65504`; on this book's CPU test machine, PyTorch 2.13
-# saturates to 448. Code that casts to fp8 scales its tensors into range first and clamps, and never relies on
-# either behaviour. $10^{-8}$ survives in bf16 (fp32's range) but is **zero** in fp16 and both fp8 formats.
+# rounds it to 65,536, and fp8 e5m2 overflows to infinity. $10^{-8}$ survives in bf16 (fp32's range) but is
+# **zero** in fp16 and both fp8 formats. fp8 e4m3 is the odd one: it has no infinity at all (its largest code
+# is kept for NaN), so what does a cast beyond its largest value, 448, give? The answer has changed between
+# PyTorch versions, so we ask this run's PyTorch, on the CPU and, where there is one, on the GPU:
+
+# %%
+out_of_range = [449.0, 500.0, 65504.0, float("inf")]
+fp8_cast = {"CPU": torch.tensor(out_of_range).to(torch.float8_e4m3fn).float().tolist()}
+if prof.on_gpu:
+    fp8_cast["GPU"] = torch.tensor(out_of_range, device="cuda").to(torch.float8_e4m3fn).float().cpu().tolist()
+e4m3 = fp8_cast["CPU"][out_of_range.index(65504.0)]
+glue("e4m3_65504", str(e4m3))
+pd.DataFrame(fp8_cast, index=[f"{v:g}" for v in out_of_range]).rename_axis("fp32 value cast to e4m3")
+
+# %% tags=["remove-input"]
+def cast_behaviour(values):
+    v = values[out_of_range.index(65504.0)]
+    if math.isnan(v):
+        return "gives NaN"
+    if v == 448.0:
+        return "saturates to 448, the largest finite value"
+    return f"gives {v:g}"
+
+
+cast_txt = "; ".join(f"on the {where}, casting 65,504 {cast_behaviour(vals)}" for where, vals in fp8_cast.items())
+display(Markdown(
+    f"In this run's PyTorch ({torch.__version__.split('+')[0]}), {cast_txt}. Earlier or later versions may do the "
+    "other thing (NaN and saturation are both allowed for a format without infinity). Code that casts to fp8 "
+    "scales its tensors into range first and clamps, and never relies on either behaviour."
+))
 
 # %% [markdown]
 # ## 2.2 Range and precision, failing in front of you
@@ -180,43 +208,89 @@ pd.Series(failures, name="result").map("{:.8g}".format)
 
 # %% [markdown]
 # fp16 overflows past 65,504 where bf16 merely rounds (90,000 becomes 90,112). Underflow is the subtler
-# danger in training: gradients that small do occur, and fp16 flushes them to zero, silently. That is why fp16 mixed precision multiplies the loss by a large factor before `backward()`
-# (*loss scaling*, {cite:t}`micikevicius2018mixed`): the gradients are scaled by the same factor and land
-# inside fp16's range, and the optimizer divides them back in fp32. bf16 needs no scaling, but its steps are
-# coarse: $1 + 2^{-8}$ is exactly 1.
+# danger in training: gradients that small do occur, and fp16 flushes them to zero, silently. That is why fp16
+# mixed precision multiplies the loss by a large factor before `backward()` (*loss scaling*,
+# [Micikevicius et al., 2018](../book/references.md)): every gradient of the backward pass is scaled by the
+# same factor and lands inside fp16's range, and the optimizer divides the weight gradients back in fp32. bf16
+# needs no scaling, but its steps are coarse: $1 + 2^{-8}$ is exactly 1.
 #
-# How many real gradients would fp16 lose? We take one backward pass of bert-large (the tiny twin on a CPU) in
-# fp32 and count the gradient entries that fp16 would flush to zero, with and without a loss scale of
-# $2^{16}$.
+# What loss scaling protects are the gradients that the backward pass computes *in fp16*: under fp16
+# autocast, the gradient of every matrix product's output (an *activation gradient*) is an fp16 tensor, and
+# it is what the next layer down multiplies with. We run one backward pass of bert-large (the tiny twin on a
+# CPU) three times on the same batch, in eval mode so that no dropout differs: in fp32, under fp16 autocast,
+# and under fp16 autocast with the loss multiplied by $2^{16}$. A hook on the output of every linear layer
+# counts the entries of its gradient that are exactly zero and those that are not finite. Some entries are
+# zero in every run, by the model's structure: the classifier reads only the first token of the last layer,
+# so the last layer's outputs at the other tokens get no gradient at all. The fp32 run counts those; what fp16
+# adds on top of them is underflow.
 
 # %%
-model = models.build("bert-large-uncased", head="sequence-classification")
+model = models.build("bert-large-uncased", head="sequence-classification").eval()  # eval: no dropout
 ids = torch.randint(100, 30000, (4, prof.pick(tiny=64, full=512)), generator=torch.Generator().manual_seed(0))
-model(input_ids=ids.to(prof.device), labels=torch.tensor([0, 1, 0, 1], device=prof.device)).loss.backward()
-grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-nonzero = grads[grads != 0]
-smallest_fp16 = torch.finfo(torch.float16).tiny * torch.finfo(torch.float16).eps  # 2**-24
-lost = {
-    "no scaling": (nonzero.abs() < smallest_fp16 / 2).float().mean().item(),
-    "loss scale 2**16": (nonzero.abs() * 2**16 < smallest_fp16 / 2).float().mean().item(),
-}
-overflow_scaled = (nonzero.abs() * 2**16 > torch.finfo(torch.float16).max).float().mean().item()
+labels = torch.tensor([0, 1, 0, 1], device=prof.device)
+autocast_device = "cuda" if prof.on_gpu else "cpu"
+
+
+def activation_grad_counts(fp16, loss_scale=1.0):
+    """One backward pass; zero and non-finite entries of the gradients of all linear layers' outputs."""
+    counts = {"entries": 0, "zero": 0, "non-finite": 0, "dtype": None}
+
+    def count(grad):
+        counts["entries"] += grad.numel()
+        counts["zero"] += (grad == 0).sum().item()
+        counts["non-finite"] += (~torch.isfinite(grad)).sum().item()
+        counts["dtype"] = str(grad.dtype).removeprefix("torch.")
+
+    def on_output(module, args, output):
+        output.register_hook(count)
+
+    handles = [m.register_forward_hook(on_output) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        with torch.autocast(autocast_device, dtype=torch.float16, enabled=fp16):
+            loss = model(input_ids=ids.to(prof.device), labels=labels).loss
+        (loss * loss_scale).backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.zero_grad(set_to_none=True)
+    return counts
+
+
+act_grads = pd.DataFrame({
+    "fp32": activation_grad_counts(fp16=False),
+    "fp16 autocast, no scaling": activation_grad_counts(fp16=True),
+    "fp16 autocast, loss x 2**16": activation_grad_counts(fp16=True, loss_scale=2.0**16),
+}).T
+act_grads["zero (%)"] = 100 * act_grads["zero"] / act_grads["entries"]
+act_grads["non-finite (%)"] = 100 * act_grads["non-finite"] / act_grads["entries"]
+underflow_pct = act_grads.loc["fp16 autocast, no scaling", "zero (%)"] - act_grads.loc["fp32", "zero (%)"]
 if prof.is_full:
-    glue("grad_lost_pct", 100 * lost["no scaling"])
-    glue("grad_lost_scaled_pct", 100 * lost["loss scale 2**16"])
-    glue("grad_overflow_scaled_pct", 100 * overflow_scaled)
-cleanup.free(globals(), "model", "grads", "nonzero")
-pd.Series({k: f"{100 * v:.3f} %" for k, v in lost.items()} | {"overflow with scale 2**16": f"{100 * overflow_scaled:.3f} %"},
-          name="non-zero gradient entries lost in fp16")
+    glue("act_grad_zero_fp16_pct", act_grads.loc["fp16 autocast, no scaling", "zero (%)"])
+    glue("act_grad_zero_scaled_pct", act_grads.loc["fp16 autocast, loss x 2**16", "zero (%)"])
+cleanup.free(globals(), "model")
+act_grads[["dtype", "entries", "zero (%)", "non-finite (%)"]].style.format(
+    {"entries": "{:,}", "zero (%)": "{:.4f}", "non-finite (%)": "{:.4f}"}, na_rep="—")
+
+# %% tags=["remove-input"]
+z32, z16, z16s = (act_grads.loc[k, "zero (%)"] for k in act_grads.index)
+nonfinite_scaled = act_grads.loc["fp16 autocast, loss x 2**16", "non-finite (%)"]
+text = (f"In this run {z32:.4f} % of the activation-gradient entries of the fp32 backward pass were zero (the "
+        f"structural zeros); under fp16 autocast without scaling, {z16:.4f} %")
+if z16 - z16s > 0.001:
+    text += (f". With the loss multiplied by $2^{{16}}$ the same fp16 backward pass has {z16s:.4f} % zero entries, so "
+             f"about {z16 - z16s:.4f} % of the entries had underflowed to zero without scaling: those are the smallest "
+             "gradients, lost silently, and loss scaling brings them back into fp16's range")
+else:
+    text += (f", and {z16s:.4f} % with the loss multiplied by $2^{{16}}$: at this initialisation and batch, hardly any "
+             "activation gradient is below fp16's range, so scaling changed little here. Gradients shrink as "
+             "training lowers the loss, which is when the scale matters")
+text += (f"; {nonfinite_scaled:.4f} % of the scaled entries overflowed." if nonfinite_scaled > 0 else
+         "; none of the scaled entries overflowed.")
+text += (" Real training adjusts the scale as it goes (`torch.amp.GradScaler` halves it when an overflow appears "
+         "and grows it again after a run of clean steps); chapter 5 measures it.")
+display(Markdown(text))
 
 # %% [markdown]
-# In this backward pass (a freshly initialised model on random data) {glue:text}`grad_lost_pct:.3f` % of the
-# non-zero gradient entries are too small for fp16 and would become zero; multiplied by $2^{16}$ only
-# {glue:text}`grad_lost_scaled_pct:.1e` % are, and {glue:text}`grad_overflow_scaled_pct:.1f` % overflow. A small
-# share, but a systematic one: the lost entries are exactly the smallest updates. Real training adjusts the scale as it goes
-# (`torch.amp.GradScaler` halves it when an overflow appears and grows it again after a run of clean steps);
-# chapter 5 measures it.
-#
 # **Long sums.** Adding many small numbers in a low-precision accumulator stops working once the running sum's
 # spacing exceeds twice the addend. We add 0.01 ten thousand times (exact answer: 100) with the accumulator
 # in each format, one addition at a time as a naive loop would, and compare with `torch.sum`, whose kernels
@@ -238,15 +312,24 @@ final = sums.iloc[-1].to_dict() | {
 glue("sum_fp16", final["fp16 accumulator"])
 glue("sum_bf16", final["bf16 accumulator"])
 fig = plots.lines(sums.iloc[::50].reset_index(names="terms"), x="terms", ys=list(runs),
-                  title="Adding 0.01 ten thousand times: 16-bit accumulators stall", xlabel="terms added",
+                  title=f"Adding 0.01 ten thousand times: fp16 stalls at {final['fp16 accumulator']:g}, "
+                        f"bf16 at {final['bf16 accumulator']:g}", xlabel="terms added",
                   ylabel="running sum", styles=["-", "-", "-"])
+fig.axes[0].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+fig.tight_layout()
 pd.Series(final, name="sum of 10,000 x 0.01 (exact: 100)")
 
+# %% tags=["remove-input"]
+display(Markdown(
+    f"The fp16 accumulator stalls at {final['fp16 accumulator']:g} and the bf16 one at {final['bf16 accumulator']:g}: "
+    "past those values a step of 0.01 is less than half the gap to the next representable number and rounds away. "
+    f"`torch.sum` over the same fp16 values gives {final['torch.sum of fp16 values']:g}"
+    + (", right to fp16's precision, because it accumulates in fp32." if abs(final["torch.sum of fp16 values"] - 100) < 0.5
+       else ", not 100: this build does not accumulate fp16 sums in fp32.")
+))
+
 # %% [markdown]
-# The fp16 accumulator stalls at {glue:text}`sum_fp16:g` and the bf16 one at {glue:text}`sum_bf16:g`: past
-# those values a step of 0.01 is less than half the gap to the next representable number and rounds away.
-# `torch.sum` over the same fp16 values is right, because it accumulates in fp32. Matrix multiplications on
-# tensor cores do the same: 16-bit inputs, fp32 accumulation. We check that against an fp64 reference: for
+# Matrix multiplications on tensor cores accumulate in fp32 too: 16-bit inputs, fp32 accumulation. We check that against an fp64 reference: for
 # each format, the error of the product computed in that format, and the error of an exact product of the
 # same inputs rounded to that format. If the two agree, the whole error comes from rounding the inputs.
 
@@ -256,9 +339,18 @@ n = prof.pick(tiny=256, full=4096)
 A64 = torch.randn(n, n, dtype=torch.float64, device=prof.device)
 B64 = torch.randn(n, n, dtype=torch.float64, device=prof.device)
 C64 = A64 @ B64
-modes = [("fp32", torch.float32, False), ("bf16", torch.bfloat16, False), ("fp16", torch.float16, False)]
-if profiles.cuda_or_skip("TF32 is a tensor-core mode of NVIDIA GPUs"):
+cap = profiles.capability()  # None on a CPU
+modes = [("fp32", torch.float32, False), ("fp16", torch.float16, False)]
+if cap is None or cap.bf16:
+    modes.insert(1, ("bf16", torch.bfloat16, False))
+else:
+    print(f"bf16 skipped: the {cap.name} (compute capability {cap.major}.{cap.minor}) has no bf16 tensor cores")
+if cap is None:
+    print("tf32 skipped on CPU: TF32 is a tensor-core mode of NVIDIA GPUs")
+elif cap.tf32:
     modes.insert(1, ("tf32", torch.float32, True))
+else:
+    print(f"tf32 skipped: TF32 needs compute capability 8.0; the {cap.name} has {cap.major}.{cap.minor}")
 
 
 def round_to_tf32(x):
@@ -281,58 +373,101 @@ for name, dt, tf32 in modes:
 torch.backends.cuda.matmul.allow_tf32 = False
 matmul_err = pd.DataFrame(matmul_err).T
 if prof.is_full and prof.on_gpu:
-    glue("mm_err_bf16", matmul_err.loc["bf16", "relative error of the product"])
-    glue("mm_err_tf32", matmul_err.loc["tf32", "relative error of the product"])
-    glue("mm_err_fp16", matmul_err.loc["fp16", "relative error of the product"])
-    glue("mm_err_fp32", matmul_err.loc["fp32", "relative error of the product"])
+    for name in matmul_err.index:
+        glue(f"mm_err_{name}", matmul_err.loc[name, "relative error of the product"])
 glue("mm_err_fp32_inputs", matmul_err.loc["fp32", "from rounding the inputs alone"])
+glue("mm_n", n)
 cleanup.free(globals(), "A64", "B64", "C64", "A", "B", "C", "inputs_only", "rounded")
 matmul_err
 
-# %% [markdown]
-# For a {glue:text}`mm_n:,d` x {glue:text}`mm_n:,d` product, TF32 is off by {glue:text}`mm_err_tf32:.1e`, fp16 by
-# {glue:text}`mm_err_fp16:.1e` and bf16 by {glue:text}`mm_err_bf16:.1e`: close to the error of rounding their
-# inputs to $m$ mantissa bits (about $2^{-m}$), plus, for fp16 and bf16, rounding the output back to 16 bits.
-# Accumulating 4,096 products adds little, because it happens in fp32. In fp32 the picture reverses: rounding
-# the inputs costs only {glue:text}`mm_err_fp32_inputs:.1e`, and the {glue:text}`mm_err_fp32:.1e` that remain
-# are the accumulation itself, in fp32 arithmetic.
-
-# %%
-glue("mm_n", n)
+# %% tags=["remove-input"]
+if prof.on_gpu:
+    err = matmul_err["relative error of the product"]
+    low = [k for k in ("tf32", "fp16", "bf16") if k in err.index]
+    near_inputs = all(err[k] < 3 * matmul_err.loc[k, "from rounding the inputs alone"] for k in low)
+    display(Markdown(
+        f"For a {n:,} x {n:,} product on this GPU, "
+        + ", ".join(f"{k} is off by {err[k]:.1e}" for k in low) + ". "
+        + ("That is within a factor of 3 of the error of rounding their inputs to $m$ mantissa bits (about $2^{-m}$), "
+           "plus, for fp16 and bf16, rounding the output back to 16 bits: accumulating "
+           f"{n:,} products adds little, because it happens in fp32. " if near_inputs else
+           "At least one of them is well above the error of rounding its inputs: its accumulation adds error. ")
+        + f"In fp32 the picture reverses: rounding the inputs costs only "
+        f"{matmul_err.loc['fp32', 'from rounding the inputs alone']:.1e}, and the {err['fp32']:.1e} that remain are "
+        "the accumulation itself, in fp32 arithmetic."
+    ))
+else:
+    print("skipped on CPU: a CPU's matrix products accumulate differently from a GPU's tensor cores")
 
 # %% [markdown]
 # ## 2.3 Model size by data type
 #
-# Size is parameters times bytes. The seed notes' shortcut: a 7B model in 16 bits is "7 x 2 = 14 GB". We build
+# Size is parameters times bytes. A popular shortcut: a 7B model in 16 bits is "7 x 2 = 14 GB". We build
 # each registry model on PyTorch's `meta` device (structure without memory) in each dtype, and count the bytes
-# its parameters would take. int8 and 4-bit rows are the ideal 1 and 0.5 bytes per parameter; section 2.5
-# measures the real thing.
+# its parameters would take. Two more models sold as "7B" join them, built the same way from the values of
+# their published `config.json` (typed here; nothing is downloaded): Mistral-7B-v0.1 (grouped-query
+# attention, a wider MLP) and Gemma-7B (a 256,000-token vocabulary, head dimension 256). int8 and 4-bit
+# columns are the ideal 1 and 0.5 bytes per parameter; section 2.5 measures the real thing.
 
 # %%
-size_rows = {}
-for name in models.REGISTRY:
+MORE_7B = {  # from the models' config.json on the Hugging Face hub
+    "Mistral-7B-v0.1": MistralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+    "gemma-7b": GemmaConfig(vocab_size=256000, hidden_size=3072, intermediate_size=24576, num_hidden_layers=28,
+                            num_attention_heads=16, num_key_value_heads=16, head_dim=256, tie_word_embeddings=True),
+}
+
+
+def meta_model_of(name, dt):
+    if name in MORE_7B:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(MORE_7B[name], dtype=dt)
     head = "causal-lm" if "causal-lm" in models.spec(name).heads else "sequence-classification"
+    return models.build(name, profile="full", head=head, dtype=dt, device="meta")
+
+
+size_rows = {}
+for name in [*models.REGISTRY, *MORE_7B]:
     row = {}
     for label, dt in [("fp32", torch.float32), ("bf16", torch.bfloat16)]:
-        meta_model = models.build(name, profile="full", head=head, dtype=dt, device="meta")
+        meta_model = meta_model_of(name, dt)
         row["parameters (B)"] = models.n_params(meta_model) / 1e9
         row[f"{label} (GiB)"] = accounting.param_bytes(meta_model) / GIB
     row["int8, ideal (GiB)"] = row["parameters (B)"] * 1e9 / GIB
     row["4-bit, ideal (GiB)"] = row["parameters (B)"] * 0.5e9 / GIB
     row["bf16 (GB = 1e9 B)"] = row["bf16 (GiB)"] * GIB / 1e9
     size_rows[name] = row
+del meta_model
 sizes = pd.DataFrame(size_rows).T
 glue("llama_params_b", sizes.loc["llama-2-7b", "parameters (B)"])
 glue("llama_bf16_gib", sizes.loc["llama-2-7b", "bf16 (GiB)"])
 glue("llama_bf16_gb", sizes.loc["llama-2-7b", "bf16 (GB = 1e9 B)"])
+glue("mistral_params_b", sizes.loc["Mistral-7B-v0.1", "parameters (B)"])
+glue("gemma_params_b", sizes.loc["gemma-7b", "parameters (B)"])
 sizes
 
-# %% [markdown]
-# The Llama-2-7B shape has {glue:text}`llama_params_b:.2f` billion parameters: {glue:text}`llama_bf16_gb:.1f`
-# GB in bf16, or {glue:text}`llama_bf16_gib:.2f` GiB, which is what a GPU's "80 GB" (really GiB) must hold.
-# The "7 x 2 = 14" rule rounds the parameter count up and mixes GB with GiB; both errors are a few percent and
-# point the same way, so it is a safe upper bound. On the GPU we check one row for real: the 1.3B model built in
-# bf16 occupies exactly its parameter bytes.
+# %% tags=["remove-input"]
+seven = sizes.loc[["llama-2-7b", *MORE_7B]]
+over = seven[seven["bf16 (GB = 1e9 B)"] > 14]
+under = seven[seven["bf16 (GB = 1e9 B)"] <= 14]
+
+
+def fmt(frame):
+    return ", ".join(f"{k} ({r['parameters (B)']:.2f} B parameters, {r['bf16 (GB = 1e9 B)']:.1f} GB)"
+                     for k, r in frame.iterrows())
+
+
+text = (f"The Llama-2-7B shape has {sizes.loc['llama-2-7b', 'parameters (B)']:.2f} billion parameters: "
+        f"{sizes.loc['llama-2-7b', 'bf16 (GB = 1e9 B)']:.1f} GB in bf16, or {sizes.loc['llama-2-7b', 'bf16 (GiB)']:.2f} "
+        "GiB, the unit a GPU's memory is really sold in. ")
+if len(over):
+    text += (f"The \"7 x 2 = 14 GB\" rule holds for {fmt(under) if len(under) else 'none of them'}, but not for "
+             f"{fmt(over)}: a model's name rounds its parameter count, sometimes down. Count the parameters (or "
+             "read them off the model card) instead of trusting the name.")
+else:
+    text += "All three \"7B\" models stay under 14 GB in bf16 here, so the rule holds for them."
+text += " On the GPU we check one row for real: the 1.3B model built in bf16 occupies exactly its parameter bytes."
+display(Markdown(text))
 
 # %%
 if profiles.cuda_or_skip("the allocator's numbers exist only on a GPU"):
@@ -341,6 +476,7 @@ if profiles.cuda_or_skip("the allocator's numbers exist only on a GPU"):
     built_gib = (torch.cuda.memory_allocated() - before) / GIB
     glue("built_bf16_gib", built_gib)
     print(f"allocated by the bf16 model: {built_gib:.3f} GiB; table: {sizes.loc['polyglot-ko-1.3b', 'bf16 (GiB)']:.3f} GiB")
+    assert abs(built_gib - sizes.loc["polyglot-ko-1.3b", "bf16 (GiB)"]) < 0.01, "the allocator disagrees with the count"
     cleanup.free(globals(), "bf16_model")
 
 
@@ -348,7 +484,7 @@ if profiles.cuda_or_skip("the allocator's numbers exist only on a GPU"):
 # ## 2.4 Quantization by hand
 #
 # Quantization maps each number to one of a few integer codes plus a little metadata (a scale), and back.
-# The four schemes of the seed notes, written out. Each function returns what would be stored; each
+# The four schemes of the Korean LLM book's chapter 5, written out. Each function returns what would be stored; each
 # `dequantize` rebuilds an approximation. All of them are a few lines of PyTorch.
 
 # %%
@@ -461,21 +597,28 @@ errors = pd.DataFrame(err_rows).set_index(["data", "scheme"])
 errors
 
 # %% [markdown]
-# And what each costs to compute, timed on the CPU (where these tensors live) for the normal data:
+# And what each costs to compute, timed on the CPU (where these tensors live) for the normal data, with
+# `timing.time_it` (chapter 8): a warm-up call, then ten timed calls, the median with its interquartile range:
 
 # %%
 quantizers = {"absmax": absmax_quantize, "zero-point": zeropoint_quantize, "block-wise, 64": blockwise_quantize,
               "quantile": quantile_quantize}
-quantize_ms = pd.Series({name: 1e3 * measure.time_fn(lambda f=f: f(normal), device="cpu", warmup=1, repeat=3).median_s
-                         for name, f in quantizers.items()}, name="quantize time (ms), 2**20 values, CPU")
-glue("quantile_slowdown", quantize_ms["quantile"] / quantize_ms["absmax"])
+quantize_t = {name: timing.time_it(lambda f=f: f(normal), device="cpu", warmup=1, repeat=10)
+              for name, f in quantizers.items()}
+quantize_ms = pd.DataFrame({name: {"median (ms)": t.wall.median * 1e3, "IQR (ms)": t.wall.iqr * 1e3}
+                            for name, t in quantize_t.items()}).T.rename_axis("quantize 2**20 values, CPU")
+quantile_vs_absmax = timing.compare({k: quantize_t[k] for k in ("absmax", "quantile")}, baseline="absmax")["quantile"]
+glue("quantile_slowdown", quantize_ms.loc["quantile", "median (ms)"] / quantize_ms.loc["absmax", "median (ms)"])
 quantize_ms
 
 # %% [markdown]
-# Each scheme's promise, as assertions: absmax and block-wise absmax are never off by more than half a step
-# of their scale (plus float32 rounding, allowed as 1/10,000 of a step); zero-point likewise inside its range; quantile quantization uses every code. And the lesson
-# of the seed notes, as an assertion too: with outliers, block-wise quantization is far more accurate than one
-# scale for the whole tensor.
+# Each scheme's promise, as assertions that fail if the code is wrong: absmax and block-wise absmax are never
+# off by more than half a step of their scale (plus float32 rounding, allowed as 1/10,000 of a step);
+# zero-point likewise inside its range. Quantile quantization uses every code, but that holds by
+# construction (each code is given 1/256 of the sorted values), so that line checks the code, not the data.
+# Two lessons are checked on the data, and either could fail on other data: with outliers, block-wise
+# quantization is far more accurate than one scale for the whole tensor; and on normal data, using every code
+# does not make quantile bins more accurate than absmax.
 
 # %%
 x = outliers
@@ -487,9 +630,10 @@ q, s = blockwise_quantize(x, 64)
 per_block_err = (blockwise_dequantize(q, s, x) - x).abs().flatten()
 per_block_err = F.pad(per_block_err, (0, (-x.numel()) % 64)).view(-1, 64).amax(dim=1)
 assert (per_block_err <= s.squeeze(1) * (0.5 + 1e-4)).all()
-assert errors.loc[("(b) normal + outliers", "quantile"), "codes used (of 256)"] == 256
+assert errors.loc[("(b) normal + outliers", "quantile"), "codes used (of 256)"] == 256  # by construction
 mse = errors["MSE"]
 assert mse[("(b) normal + outliers", "block-wise, 64")] < mse[("(b) normal + outliers", "absmax")] / 10
+assert mse[("(a) normal", "quantile")] > mse[("(a) normal", "absmax")]
 glue("mse_ratio_outliers", mse[("(b) normal + outliers", "absmax")] / mse[("(b) normal + outliers", "block-wise, 64")])
 glue("codes_absmax_outliers", int(errors.loc[("(b) normal + outliers", "absmax"), "codes used (of 256)"]))
 glue("codes_absmax_normal", int(errors.loc[("(a) normal", "absmax"), "codes used (of 256)"]))
@@ -500,7 +644,7 @@ glue("maxerr_quantile_outliers", errors.loc[("(b) normal + outliers", "quantile"
 print("all quantizer checks passed")
 
 # %% [markdown]
-# The codes each scheme actually uses, as histograms (log scale): this is the seed notes' "wasted codes"
+# The codes each scheme actually uses, as histograms (log scale): the Korean LLM book's "wasted codes"
 # argument, counted.
 
 # %%
@@ -512,29 +656,38 @@ for ax, (data_name, scheme) in zip(axes, [("(a) normal", "absmax"), ("(b) normal
     ax.set_title(f"{scheme}\n{data_name}", fontsize=9)
     ax.set_xlabel("int8 code")
 axes[0].set_ylabel("values per code")
-fig.suptitle("Outliers make absmax waste codes; blocks and quantiles use them all", y=1.02)
+codes_used = errors["codes used (of 256)"]
+fig.suptitle(f"Codes used of 256: absmax {codes_used[('(a) normal', 'absmax')]} on normal data, "
+             f"{codes_used[('(b) normal + outliers', 'absmax')]} with outliers; with outliers, blocks of 64 use "
+             f"{codes_used[('(b) normal + outliers', 'block-wise, 64')]}, quantiles "
+             f"{codes_used[('(b) normal + outliers', 'quantile')]}", y=1.02, fontsize=10)
 fig.tight_layout()
 
-# %% [markdown]
-# On normal data absmax uses {glue:text}`codes_absmax_normal` of the 256 codes: the largest of a million
-# normal values sits near 5 standard deviations, so most values crowd the middle codes. With outliers it uses
-# only {glue:text}`codes_absmax_outliers`: one value of 50 sets the scale, and the normal bulk collapses into
-# a handful of codes around zero. Block-wise quantization with blocks of 64 uses
-# {glue:text}`codes_block_outliers` codes and cuts the mean squared error by a factor of
-# {glue:text}`mse_ratio_outliers:,.0f`, for 4 extra bytes per 64 values.
-#
-# Quantile quantization uses every code, as the seed notes promise, and yet its error is the *worst* of the
-# four: on normal data its mean squared error is {glue:text}`mse_quantile_normal:.1e` against absmax's
-# {glue:text}`mse_absmax_normal:.1e`. Equal-population bins are narrow where the data is dense and very wide in
-# the tails, and a bin reconstructs all its values as one number. With outliers it is worse: the top and
-# bottom bins mix the values of 50 with the largest normal values, and both are reconstructed badly (worst error
-# {glue:text}`maxerr_quantile_outliers:.1f`). Using every code is not the same as using them well: the argument
-# counts codes, the error counts distances. Quantile quantization is also
-# {glue:text}`quantile_slowdown:.0f` times slower than absmax here (a full sort) and stores a 256-entry table
-# per tensor. NF4, below, keeps the good half of the idea: fixed levels at the quantiles of a *normal*
-# distribution, combined with block-wise absmax scaling.
-#
-# How large should the blocks be? Smaller blocks isolate outliers better but store more scales:
+# %% tags=["remove-input"]
+mse_normal = mse.xs("(a) normal", level="data")
+rank = int((mse_normal < mse_normal["quantile"]).sum())  # how many schemes beat quantile on normal data
+worst = "the *worst* of the four" if rank == 3 else f"worse than {rank} of the other three"
+slow = quantize_ms.loc["quantile", "median (ms)"] / quantize_ms.loc["absmax", "median (ms)"]
+display(Markdown(
+    f"On normal data absmax uses {codes_used[('(a) normal', 'absmax')]} of the 256 codes: the largest of a million "
+    "normal values sits near 5 standard deviations, so most values crowd the middle codes. With outliers it uses only "
+    f"{codes_used[('(b) normal + outliers', 'absmax')]}: one value of 50 sets the scale, and the normal bulk collapses "
+    "into a handful of codes around zero. Block-wise quantization with blocks of 64 uses "
+    f"{codes_used[('(b) normal + outliers', 'block-wise, 64')]} codes and cuts the mean squared error by a factor of "
+    f"{mse[('(b) normal + outliers', 'absmax')] / mse[('(b) normal + outliers', 'block-wise, 64')]:,.0f}, for 4 extra "
+    "bytes per 64 values.\n\n"
+    f"Quantile quantization uses every code, and yet its error is {worst}: on normal data its mean squared error is "
+    f"{mse_normal['quantile']:.1e} against absmax's {mse_normal['absmax']:.1e}. Equal-population bins are narrow "
+    "where the data is dense and very wide in the tails, and a bin reconstructs all its values as one number. With "
+    "outliers the top and bottom bins mix the values of 50 with the largest normal values, and both are "
+    f"reconstructed badly (worst error {errors.loc[('(b) normal + outliers', 'quantile'), 'max error']:.1f}). Using "
+    "every code is not the same as using them well: the argument counts codes, the error counts distances. "
+    f"Quantile quantization also took {slow:.0f} times as long as absmax here "
+    f"({quantile_vs_absmax['difference']} by the IQRs; a full sort) and stores a 256-entry table per tensor. NF4, "
+    "below, keeps the good half of the idea: fixed levels at the quantiles of a *normal* distribution, combined "
+    "with block-wise absmax scaling.\n\n"
+    "How large should the blocks be? Smaller blocks isolate outliers better but store more scales:"
+))
 
 # %%
 block_rows = []
@@ -544,19 +697,21 @@ for block in [16, 32, 64, 128, 256, 1024, 4096, 1 << 16, outliers.numel()]:
                        "metadata bytes per value": 4 / block})
 blocks = pd.DataFrame(block_rows)
 fig, ax = plt.subplots()
-ax.plot(blocks.block, blocks.MSE, "o-", label="MSE (left)")
+ax.plot(blocks.block, blocks.MSE, "o-", label="MSE (left axis)")
 ax.set_xscale("log", base=2)
 ax.set_yscale("log")
 ax.set_xlabel("block size (values per scale)")
 ax.set_ylabel("mean squared error")
 ax2 = ax.twinx()
-ax2.plot(blocks.block, blocks["metadata bytes per value"], "s--", color="grey", label="scale bytes per value (right)")
+ax2.plot(blocks.block, blocks["metadata bytes per value"], "s--", color="grey", label="scale bytes per value (right axis)")
 ax2.set_yscale("log")
 ax2.set_ylabel("bytes of scales per value")
 ax2.grid(False)
-fig.legend(loc="center right", bbox_to_anchor=(0.85, 0.45))
-ax.set_title("Block-wise absmax on data with outliers: error vs metadata")
-fig.tight_layout()
+fig.legend(loc="lower center", ncols=2, bbox_to_anchor=(0.5, 0.0))
+smallest, whole_tensor = blocks.iloc[0], blocks.iloc[-1]
+ax.set_title(f"Outlier data: blocks of {smallest.block:,} cut the MSE {whole_tensor.MSE / smallest.MSE:,.0f}x against one "
+             f"scale,\nfor {smallest['metadata bytes per value']:.2f} bytes of scales per value", fontsize=10)
+fig.tight_layout(rect=(0, 0.08, 1, 1))
 blocks
 
 # %% [markdown]
@@ -566,20 +721,38 @@ blocks
 #
 # ## 2.5 The production versions: bitsandbytes
 #
-# **LLM.int8()** {cite:p}`dettmers2022llmint8` stores weights in int8 with one absmax scale per output row
-# and, at run time, splits the input: the few feature columns with values above a threshold (6.0 by default)
-# are multiplied in 16 bits, the rest in int8 with per-token scales. **NF4** {cite:p}`dettmers2023qlora`
-# stores 4-bit codes whose 16 levels are quantiles of a normal distribution (so they suit normally distributed
-# weights), with an fp32 absmax per block of 64; **double quantization** quantizes those absmax values
-# themselves to 8 bits, in blocks of 256. **FP4** is a plain 4-bit float. We build each from the same bf16
-# weight matrix at a realistic shape, and compare storage, output error against the bf16 layer, and speed.
+# **LLM.int8()** (Dettmers et al., *LLM.int8()*, [2022](../book/references.md)) stores weights in int8 with one absmax
+# scale per output row and, at run time, splits the input: the few feature columns with values above a
+# threshold (6.0 by default) are multiplied in 16 bits, the rest in int8 with per-token scales. **NF4**
+# ([Dettmers et al., 2023](../book/references.md)) stores 4-bit codes whose 16 levels are quantiles of a
+# normal distribution (so they suit normally distributed weights), with an fp32 absmax per block of 64;
+# **double quantization** quantizes those absmax values themselves to 8 bits, in blocks of 256. **FP4** is a
+# 4-bit floating-point format: its 16 levels are a sign, exponent and mantissa grid like every float's, so they
+# are denser near zero, but spaced by powers of two rather than by the shape of a normal distribution. Both
+# level sets, as bitsandbytes stores them (scaled to $[-1, 1]$):
 
 # %%
+# NBVAL_CHECK_OUTPUT
+import bitsandbytes.functional as bnb_f
+
+levels = pd.DataFrame({kind: sorted(bnb_f.get_4bit_type(kind, device="cpu").tolist()) for kind in ("nf4", "fp4")})
+print(levels.T.to_string(float_format="{:.4f}".format, header=False))  # text: identical on every machine
+
+# %% [markdown]
+# Both grids are densest near zero. NF4's gaps grow smoothly towards the tails, following the normal
+# distribution; FP4's double from one power of two to the next, as a float's do, with one tiny value next to
+# zero (bitsandbytes' FP4 also has a positive and a negative zero, so it has only 15 distinct values). We build each format from the same
+# 16-bit weight matrix at a realistic shape (bf16, or fp16 on a GPU below compute capability 8.0), and compare
+# storage, output error against the 16-bit layer, and speed.
+
+# %%
+amp = profiles.amp_dtype()
+REF = {torch.bfloat16: "bf16", torch.float16: "fp16"}[amp]
 d_in = d_out = prof.pick(tiny=256, full=4096)
 tokens = prof.pick(tiny=64, full=4096)
 torch.manual_seed(0)
-reference = torch.nn.Linear(d_in, d_out, bias=False, dtype=torch.bfloat16)
-x_in = torch.randn(tokens, d_in, dtype=torch.bfloat16, device=prof.device)
+reference = torch.nn.Linear(d_in, d_out, bias=False, dtype=amp)
+x_in = torch.randn(tokens, d_in, dtype=amp, device=prof.device)
 
 
 def int8_layer(threshold):
@@ -589,7 +762,7 @@ def int8_layer(threshold):
 
 
 def four_bit_layer(quant_type, double_quant):
-    layer = bnb.nn.Linear4bit(d_in, d_out, bias=False, compute_dtype=torch.bfloat16, quant_type=quant_type,
+    layer = bnb.nn.Linear4bit(d_in, d_out, bias=False, compute_dtype=amp, quant_type=quant_type,
                               compress_statistics=double_quant)
     layer.weight = bnb.nn.Params4bit(reference.weight.data.clone(), requires_grad=False, quant_type=quant_type,
                                      compress_statistics=double_quant)
@@ -606,14 +779,14 @@ def stored_bytes(layer):
 
 
 layers = {
-    "bf16": reference.to(prof.device),
+    REF: reference.to(prof.device),
     "LLM.int8(), threshold 6": int8_layer(6.0),
     "NF4": four_bit_layer("nf4", False),
     "NF4 + double quant": four_bit_layer("nf4", True),
     "FP4": four_bit_layer("fp4", False),
 }
 with torch.no_grad():
-    y_ref = layers["bf16"](x_in).float()
+    y_ref = layers[REF](x_in).float()
     layer_rows = {}
     for name, layer in layers.items():
         y = layer(x_in).float()
@@ -621,6 +794,7 @@ with torch.no_grad():
         layer_rows[name] = {"bits per weight (codes + scales)": 8 * scaled / (d_in * d_out),
                             "fixed tables (bytes)": fixed,
                             "relative output error": ((y - y_ref).norm() / y_ref.norm()).item()}
+del y
 layer_table = pd.DataFrame(layer_rows).T
 layer_table
 
@@ -629,7 +803,7 @@ layer_table
 # an fp32 absmax per 64 weights, $32/64 = 0.5$ extra bits per weight, which double quantization brings down to
 # $8/64 + 32/(64 \cdot 256) \approx 0.127$ bits, the QLoRA paper's number. On top come a few fixed tables per
 # tensor (NF4's 16 levels, the 256-entry map of the double quantization, the serialized state): bytes, not
-# bits per weight. We assert the per-weight parts:
+# bits per weight. We assert the per-weight parts, measured from what each layer's `state_dict` holds:
 
 # %%
 bits = layer_table["bits per weight (codes + scales)"]
@@ -643,11 +817,17 @@ glue("err_nf4", layer_table.loc["NF4", "relative output error"])
 glue("err_fp4", layer_table.loc["FP4", "relative output error"])
 print("storage matches the formulas")
 
+# %% tags=["remove-input"]
+err = layer_table["relative output error"]
+display(Markdown(
+    f"The relative output error against the {REF} layer is {err['LLM.int8(), threshold 6']:.4f} for LLM.int8(), "
+    f"{err['NF4']:.3f} for NF4 and {err['FP4']:.3f} for FP4 on these normally distributed weights"
+    + (": with the same 16 codes, levels placed at a normal distribution's quantiles beat a floating-point grid, "
+       "as the QLoRA paper argues." if err["NF4"] < err["FP4"] else
+       ": here FP4's floating-point grid did as well as NF4's normal quantiles or better.")
+))
+
 # %% [markdown]
-# The relative output error against the bf16 layer is {glue:text}`err_int8:.4f` for LLM.int8(),
-# {glue:text}`err_nf4:.3f` for NF4 and {glue:text}`err_fp4:.3f` for FP4 on these normally distributed weights:
-# 16 well-placed levels beat 16 evenly spread ones, as the QLoRA paper argues.
-#
 # LLM.int8()'s threshold matters when the *input* has outlier features. We give 4 of the input's features a
 # magnitude of 20 (as large models develop) and compare the threshold 6.0 (outlier columns in 16 bits) with
 # threshold 0 (everything in int8):
@@ -656,83 +836,107 @@ print("storage matches the formulas")
 x_out = x_in.clone()
 x_out[:, :4] *= 20
 with torch.no_grad():
-    y_ref_out = layers["bf16"](x_out).float()
+    y_ref_out = layers[REF](x_out).float()
     outlier_err = {f"threshold {t}": ((int8_layer(t)(x_out).float() - y_ref_out).norm() / y_ref_out.norm()).item()
                    for t in (0.0, 6.0)}
 glue("int8_err_t0", outlier_err["threshold 0.0"])
 glue("int8_err_t6", outlier_err["threshold 6.0"])
 pd.Series(outlier_err, name="relative output error with outlier features")
 
-# %% [markdown]
-# With every feature in int8 (threshold 0) the outliers stretch the per-token scales and the error grows to
-# {glue:text}`int8_err_t0:.3f`; with the default threshold the four outlier columns go through a 16-bit
-# product and the error stays at {glue:text}`int8_err_t6:.4f`. (On a CPU, bitsandbytes' int8 path does not
-# decompose, and the two rows are equal.)
+# %% tags=["remove-input"]
+t0, t6 = outlier_err["threshold 0.0"], outlier_err["threshold 6.0"]
+if t0 > 1.5 * t6:
+    display(Markdown(
+        f"With every feature in int8 (threshold 0) the outliers stretch the per-token scales and the error grows to "
+        f"{t0:.3f}; with the default threshold the four outlier columns go through a 16-bit product and the error "
+        f"stays at {t6:.4f}."))
+else:
+    display(Markdown(
+        f"Here the two thresholds give nearly the same error ({t0:.3f} and {t6:.3f})"
+        + (": on a CPU, bitsandbytes' int8 path does not decompose the outlier columns." if not prof.on_gpu else
+           ": this bitsandbytes did not route the outlier columns differently.")))
 
 # %% [markdown]
-# Speed is the other side of the bargain. On a GPU we time a forward pass of each layer at this shape
-# ({glue:text}`tokens_n:,d` tokens x {glue:text}`dim_n:,d` features):
+# Speed is the other side of the bargain. On a GPU we time a forward pass of each layer at this shape with
+# `timing.time_it` (ten timed calls after warm-up, GPU-busy from the profiler) and compare each with the
+# 16-bit layer, counting a difference only when it is larger than the interquartile ranges:
 
 # %%
 glue("tokens_n", tokens)
 glue("dim_n", d_in)
 if profiles.cuda_or_skip("kernel timings are only meaningful on the GPU"):
-    speed = {}
+    layer_t = {}
     with torch.no_grad():
         for name, layer in layers.items():
-            speed[name] = measure.time_fn(lambda layer=layer: layer(x_in), device="cuda", warmup=3, repeat=20).median_s
-    speed = pd.Series(speed, name="forward time (ms)") * 1e3
-    glue("slow_int8", speed["LLM.int8(), threshold 6"] / speed["bf16"])
-    glue("slow_nf4", speed["NF4"] / speed["bf16"])
-    display(pd.DataFrame({"forward time (ms)": speed, "x bf16's time": speed / speed["bf16"]}))
+            layer_t[name] = timing.time_it(lambda layer=layer: layer(x_in), device="cuda", warmup=3, repeat=10)
+    vs_ref = timing.compare(layer_t, baseline=REF)
+    speed = pd.DataFrame({name: {**t.summary(), f"x {REF}'s time": 1 / vs_ref[name]["speed-up"],
+                                 f"vs {REF}": vs_ref[name]["difference"]} for name, t in layer_t.items()}).T
+    glue("slow_int8", 1 / vs_ref["LLM.int8(), threshold 6"]["speed-up"])
+    glue("slow_nf4", 1 / vs_ref["NF4"]["speed-up"])
+    display(speed[["wall median (ms)", "wall IQR (ms)", "GPU busy", f"x {REF}'s time", f"vs {REF}", "verdict"]])
+
+# %% tags=["remove-input"]
+if prof.on_gpu:
+    def said(name):
+        ratio = 1 / vs_ref[name]["speed-up"]
+        if vs_ref[name]["difference"] == "within the noise":
+            return f"{name} is within the noise of {REF} ({ratio:.2f} times its time)"
+        return f"{name} takes {ratio:.1f} times as long as {REF}"
+
+    bound = {name: t.verdict for name, t in layer_t.items()}
+    display(Markdown(
+        f"At {tokens:,} tokens x {d_in:,} features, " + "; ".join(said(n) for n in ("LLM.int8(), threshold 6", "NF4"))
+        + f" (the {REF} product is {bound[REF]}, {layer_t[REF].evidence}). "
+        "Quantized layers save memory, not time: the 4-bit weights are dequantized to 16 bits before a regular matrix "
+        "product (for many tokens), and LLM.int8() pays for its outlier decomposition and scaling. Where the weights "
+        "are read once per token (generation with a small batch), memory bandwidth dominates and the smaller weights "
+        "can win; training and prefill are not that case."
+    ))
+else:
+    print("skipped on CPU: kernel timings are only meaningful on the GPU")
 
 # %% [markdown]
-# At this shape LLM.int8() takes {glue:text}`slow_int8:.1f` times and NF4 {glue:text}`slow_nf4:.1f` times
-# as long as bf16. Quantized layers save memory, not time: the 4-bit weights are dequantized to bf16 before
-# a regular matrix product (for many tokens), and LLM.int8() pays for its outlier decomposition and scaling.
-# Where the weights are read once per token (generation with a small batch), memory bandwidth dominates and
-# the smaller weights can win; training and prefill are not that case.
-#
-# **A whole model.** The real `from_pretrained` path: we save the 1.3B GPT-NeoX in bf16 to a local folder and
-# load it three ways, in bf16, in 8 bits and in 4-bit NF4 with double quantization, through transformers'
-# `BitsAndBytesConfig`. For each: memory, bytes per parameter, and how far its logits are from bf16's.
+# **A whole model.** The real `from_pretrained` path: we save the 1.3B GPT-NeoX in 16 bits to a local folder
+# and load it three ways, in 16 bits, in 8 bits and in 4-bit NF4 with double quantization, through
+# transformers' `BitsAndBytesConfig`. For each: memory, bytes per parameter, and how far its logits are from
+# the 16-bit model's.
 
 # %%
-checkpoint = models.save_checkpoint(models.build("polyglot-ko-1.3b", head="causal-lm", dtype=torch.bfloat16),
+checkpoint = models.save_checkpoint(models.build("polyglot-ko-1.3b", head="causal-lm", dtype=amp),
                                     tempfile.mkdtemp(prefix="ckpt_polyglot_"))
 cleanup.free(globals())
 configs = {
-    "bf16": None,
+    REF: None,
     "int8 (LLM.int8())": BitsAndBytesConfig(load_in_8bit=True),
     "4-bit NF4 + double quant": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                   bnb_4bit_use_double_quant=True,
-                                                   bnb_4bit_compute_dtype=torch.bfloat16),
+                                                   bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=amp),
 }
 probe = torch.randint(100, 30000, (2, 128), generator=torch.Generator().manual_seed(1)).to(prof.device)
+n_total = models.n_params(models.build("polyglot-ko-1.3b", head="causal-lm", device="meta"))
 whole, logits = {}, {}
 for name, qconfig in configs.items():
     before = torch.cuda.memory_allocated() if prof.on_gpu else 0
-    qmodel = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16, quantization_config=qconfig,
+    qmodel = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=amp, quantization_config=qconfig,
                                                   device_map=prof.device)
-    n_total = models.n_params(models.build("polyglot-ko-1.3b", head="causal-lm", device="meta"))
     row = {"get_memory_footprint (GiB)": qmodel.get_memory_footprint() / GIB}
     if prof.on_gpu:
         row["allocated (GiB)"] = (torch.cuda.memory_allocated() - before) / GIB
     row["bytes per parameter"] = row.get("allocated (GiB)", row["get_memory_footprint (GiB)"]) * GIB / n_total
     with torch.no_grad():
-        logits[name] = qmodel(probe).logits.float()
+        logits[name] = qmodel(probe).logits.float().cpu()
     whole[name] = row
     del qmodel
     cleanup.free(globals())
 whole = pd.DataFrame(whole).T
 for name in configs:
-    whole.loc[name, "logits: relative difference from bf16"] = ((logits[name] - logits["bf16"]).norm() / logits["bf16"].norm()).item()
-    whole.loc[name, "same top-1 token as bf16"] = (logits[name].argmax(-1) == logits["bf16"].argmax(-1)).float().mean().item()
+    whole.loc[name, f"logits: relative difference from {REF}"] = ((logits[name] - logits[REF]).norm() / logits[REF].norm()).item()
+    whole.loc[name, f"same top-1 token as {REF}"] = (logits[name].argmax(-1) == logits[REF].argmax(-1)).float().mean().item()
 whole
 
 # %% [markdown]
 # Not every parameter is quantized: transformers keeps the embeddings, the output head and the layer norms in
-# bf16 (the head and embeddings are large, but quantizing them hurts quality most). So the expected size is
+# 16 bits (the head and embeddings are large, but quantizing them hurts quality most). So the expected size is
 # the linear layers' weights at 1 or ~0.52 bytes plus the rest at 2 bytes:
 
 # %%
@@ -742,50 +946,68 @@ linear_params = sum(m.weight.numel() for m in meta.modules() if isinstance(m, to
 other_params = models.n_params(meta) - linear_params
 nf4_dq_bytes = (4 + 8 / 64 + 32 / (64 * 256)) / 8
 expected = {
-    "bf16": (linear_params + other_params) * 2,
+    REF: (linear_params + other_params) * 2,
     "int8 (LLM.int8())": linear_params * 1 + other_params * 2,
     "4-bit NF4 + double quant": linear_params * nf4_dq_bytes + other_params * 2,
 }
 whole["expected (GiB)"] = pd.Series(expected) / GIB
+linear_share = linear_params / models.n_params(meta)
 if prof.is_full and prof.on_gpu:
-    glue("whole_bf16_gib", whole.loc["bf16", "allocated (GiB)"])
+    glue("whole_bf16_gib", whole.loc[REF, "allocated (GiB)"])
     glue("whole_int8_gib", whole.loc["int8 (LLM.int8())", "allocated (GiB)"])
     glue("whole_nf4_gib", whole.loc["4-bit NF4 + double quant", "allocated (GiB)"])
     glue("whole_nf4_footprint_gib", whole.loc["4-bit NF4 + double quant", "get_memory_footprint (GiB)"])
     glue("whole_nf4_expected_gib", whole.loc["4-bit NF4 + double quant", "expected (GiB)"])
     glue("whole_nf4_bpp", whole.loc["4-bit NF4 + double quant", "bytes per parameter"])
     glue("whole_int8_bpp", whole.loc["int8 (LLM.int8())", "bytes per parameter"])
-    glue("linear_share", linear_params / models.n_params(meta))
-    glue("whole_int8_logit_err", whole.loc["int8 (LLM.int8())", "logits: relative difference from bf16"])
-    glue("whole_nf4_logit_err", whole.loc["4-bit NF4 + double quant", "logits: relative difference from bf16"])
+    glue("linear_share", linear_share)
+    glue("whole_int8_logit_err", whole.loc["int8 (LLM.int8())", f"logits: relative difference from {REF}"])
+    glue("whole_nf4_logit_err", whole.loc["4-bit NF4 + double quant", f"logits: relative difference from {REF}"])
+del meta, head
 whole[[c for c in ["allocated (GiB)", "expected (GiB)", "get_memory_footprint (GiB)", "bytes per parameter"] if c in whole]]
 
-# %% [markdown]
-# Measured by the allocator, the model shrinks from {glue:text}`whole_bf16_gib:.2f` GiB to
-# {glue:text}`whole_int8_gib:.2f` GiB in 8 bits and {glue:text}`whole_nf4_gib:.2f` GiB in 4 bits, as predicted:
-# {glue:text}`whole_int8_bpp:.2f` and {glue:text}`whole_nf4_bpp:.2f` bytes per parameter, not the ideal 1 and 0.5,
-# because only {glue:text}`linear_share:.0%` of this model's parameters sit in quantized linear layers; its two
-# 30,080 x 2048 embedding matrices stay in bf16. Larger models have a larger linear share and get closer to the
-# ideal. One trap: transformers' `get_memory_footprint()` reports {glue:text}`whole_nf4_footprint_gib:.3f` GiB
-# for the 4-bit model, less than the {glue:text}`whole_nf4_expected_gib:.3f` GiB it occupies, because it adds up
-# parameters and buffers and the 4-bit layers keep their block statistics (absmax values) outside both. The
-# logits move by {glue:text}`whole_int8_logit_err:.3f` (8-bit) and {glue:text}`whole_nf4_logit_err:.3f` (4-bit)
-# relative to bf16. These weights are random, so these numbers say how much noise each format adds, not how a
-# trained model's quality changes; the QLoRA paper measures that on real models.
+# %% tags=["remove-input"]
+if prof.is_full and prof.on_gpu:
+    nf4, int8 = whole.loc["4-bit NF4 + double quant"], whole.loc["int8 (LLM.int8())"]
+    as_expected = all(abs(whole.loc[k, "allocated (GiB)"] - whole.loc[k, "expected (GiB)"]) < 0.05 * whole.loc[k, "expected (GiB)"]
+                      for k in whole.index)
+    footprint_txt = (
+        f"One trap: transformers' `get_memory_footprint()` reports {nf4['get_memory_footprint (GiB)']:.3f} GiB for the "
+        f"4-bit model, less than the {nf4['allocated (GiB)']:.3f} GiB it occupies, because it adds up parameters and "
+        "buffers and the 4-bit layers keep their block statistics (absmax values) outside both. "
+        if nf4["get_memory_footprint (GiB)"] < nf4["allocated (GiB)"] - 0.005 else
+        f"transformers' `get_memory_footprint()` agrees with the allocator for the 4-bit model "
+        f"({nf4['get_memory_footprint (GiB)']:.3f} GiB). ")
+    display(Markdown(
+        f"Measured by the allocator, the model shrinks from {whole.loc[REF, 'allocated (GiB)']:.2f} GiB to "
+        f"{int8['allocated (GiB)']:.2f} GiB in 8 bits and {nf4['allocated (GiB)']:.2f} GiB in 4 bits, "
+        + ("as predicted: " if as_expected else "not quite as predicted (see the expected column): ")
+        + f"{int8['bytes per parameter']:.2f} and {nf4['bytes per parameter']:.2f} bytes per parameter, not the ideal 1 "
+        f"and 0.5, because only {linear_share:.0%} of this model's parameters sit in quantized linear layers; its two "
+        "30,080 x 2048 embedding matrices stay in 16 bits. Larger models have a larger linear share and get closer to "
+        f"the ideal. {footprint_txt}The logits move by {int8[f'logits: relative difference from {REF}']:.3f} (8-bit) "
+        f"and {nf4[f'logits: relative difference from {REF}']:.3f} (4-bit) relative to {REF}. These weights are random, "
+        "so these numbers say how much noise each format adds, not how a trained model's quality changes; the QLoRA "
+        "paper measures that on real models."
+    ))
+else:
+    print("skipped on CPU: bitsandbytes' quantized layers store and compute differently on a CPU; the allocator's "
+          "numbers need a GPU")
 
 # %% [markdown]
 # ## 2.6 A preview: 8-bit optimizer states
 #
-# The same block-wise idea shrinks AdamW's two states {cite:p}`dettmers2022optimizers`: bitsandbytes'
-# `AdamW8bit` keeps them as uint8 codes with a dynamic quantization map and a scale per block of 256 values
-# (tensors under 4096 elements keep fp32 states). We count the state bytes after one step on bert-large.
+# The same block-wise idea shrinks AdamW's two states (Dettmers et al., *8-bit Optimizers via Block-wise Quantization*, [2022](../book/references.md)):
+# bitsandbytes' `AdamW8bit` keeps them as uint8 codes with a dynamic quantization map and a scale per block of
+# 256 values (tensors under 4096 elements keep fp32 states). We count the state bytes after one step on
+# bert-large.
 
 # %%
 state_bytes = {}
 for name, make in [("torch.optim.AdamW", torch.optim.AdamW), ("bnb.optim.AdamW8bit", bnb.optim.AdamW8bit)]:
     model = models.build("bert-large-uncased", head="sequence-classification")
     optimizer = make(model.parameters(), lr=1e-5)
-    model(input_ids=ids.to(prof.device), labels=torch.tensor([0, 1, 0, 1], device=prof.device)).loss.backward()
+    model(input_ids=ids.to(prof.device), labels=labels).loss.backward()
     optimizer.step()
     state_bytes[name] = accounting.optimizer_state_bytes(optimizer) / models.n_params(model)
     cleanup.free(globals(), "model", "optimizer")
@@ -794,10 +1016,12 @@ glue("adamw_bpp", state_bytes["torch.optim.AdamW"])
 glue("adamw8bit_bpp", state_bytes["bnb.optim.AdamW8bit"])
 state_bytes
 
-# %% [markdown]
-# {glue:text}`adamw_bpp:.2f` bytes per parameter for AdamW's fp32 states, {glue:text}`adamw8bit_bpp:.2f` for the
-# 8-bit version: the seed notes' 8 and 2, plus the block scales and the small tensors kept in fp32. Chapter 5
-# measures whether training converges the same way.
+# %% tags=["remove-input"]
+display(Markdown(
+    f"{state_bytes['torch.optim.AdamW']:.2f} bytes per parameter for AdamW's fp32 states, "
+    f"{state_bytes['bnb.optim.AdamW8bit']:.2f} for the 8-bit version: the rule's 8 and 2, plus, for the 8-bit one, "
+    "the block scales and the small tensors kept in fp32. Chapter 5 measures whether training converges the same way."
+))
 
 # %% [markdown]
 # ## Summary
@@ -805,11 +1029,15 @@ state_bytes
 # - Exponent bits set the range, mantissa bits the precision: fp16 overflows at 65,504 and flushes gradients
 #   below $6 \times 10^{-8}$ to zero (hence loss scaling); bf16 has fp32's range and a coarse 8-bit
 #   significand; sums and matrix products are accumulated in fp32 for that reason.
-# - Size = parameters x bytes; "7B x 2 = 14 GB" is a safe upper bound (GB vs GiB, rounded counts).
+# - Size = parameters x bytes, and the parameters are worth counting: "7B x 2 = 14 GB" fits Llama-2-7B but not
+#   Mistral-7B (7.24 B parameters) or Gemma-7B (8.54 B); and 1 GB (10⁹ bytes) is 7 % less than 1 GiB.
+# - Loss scaling protects the gradients an fp16 backward pass computes (activation gradients), which would
+#   otherwise underflow to zero.
 # - One absmax scale per tensor wastes most int8 codes when there are outliers; block-wise scales fix it for a
-#   few percent of metadata; quantile bins use every code at the price of a sort.
+#   few percent of metadata; quantile bins use every code, at the price of a sort and not with a lower error.
 # - bitsandbytes' NF4 stores 4.5 bits per weight, 4.127 with double quantization; a whole quantized model
-#   also keeps embeddings and head in 16 bits. Quantized layers cost time: they save memory, not speed.
+#   also keeps embeddings and head in 16 bits. NF4's levels follow a normal distribution, FP4's a float grid.
+#   Quantized layers save memory, not time: section 2.5 measures what they cost on your GPU.
 #
 # ## Use it in your own script
 #
@@ -890,9 +1118,29 @@ state_bytes
 #
 # ## References
 #
-# - {cite:t}`kalamkar2019bfloat16`: the bf16 format.
-# - {cite:t}`micikevicius2018mixed`: mixed precision and loss scaling.
-# - {cite:t}`dettmers2022llmint8`: LLM.int8(), vector-wise quantization and outlier decomposition.
-# - {cite:t}`dettmers2023qlora`: NF4 and double quantization.
-# - {cite:t}`dettmers2022optimizers`: 8-bit optimizers with block-wise quantization.
-# - {cite:t}`heo2024llm`, chapter 5: the seed notes' data types and quantization schemes.
+# - Kalamkar et al. (2019): the bf16 format.
+# - Micikevicius et al. (2018): mixed precision and loss scaling.
+# - Dettmers et al. (2022), *LLM.int8()*: vector-wise quantization and outlier decomposition.
+# - Dettmers et al. (2023), *QLoRA*: NF4 and double quantization.
+# - Dettmers et al. (2022), *8-bit Optimizers via Block-wise Quantization*: 8-bit optimizers.
+# - Heo (2024), chapter 5 (in Korean): the data types and the four quantization schemes of sections 2.1-2.4.
+#
+# All of them, with links, are on the [references page](../book/references.md).
+
+# %% [markdown]
+# The chapter ends where it began: we free what is left on the GPU, release cuBLAS's workspaces (PyTorch keeps
+# one per thread that ran a matrix product) and check that allocated memory is back at the baseline taken in
+# the setup cell.
+
+# %%
+cleanup.free(globals(), "layers", "layer", "reference", "x_in", "x_out", "y_ref", "y_ref_out", "labels", "probe", "logits")
+if prof.on_gpu:
+    held_mib = torch.cuda.memory_allocated() / MIB
+    torch._C._cuda_clearCublasWorkspaces()
+    cleanup.collect()
+    end_mib = torch.cuda.memory_allocated() / MIB
+    print(f"allocated before releasing cuBLAS's workspaces: {held_mib:,.1f} MiB; at the end: {end_mib:,.1f} MiB; "
+          f"at the start: {baseline_mib:,.1f} MiB")
+    assert end_mib <= baseline_mib + 0.01, f"{end_mib - baseline_mib:.2f} MiB still allocated: something leaked"
+else:
+    print("skipped on CPU: no GPU memory to check")

@@ -45,9 +45,12 @@
 # %%
 import sys
 
-if "google.colab" in sys.modules:  # Colab: this chapter launches scripts from the repository, so clone it
+if "google.colab" in sys.modules:  # Colab only. This chapter launches scripts from the repository: clone it,
+    # then install it from the clone, not editable (an editable install needs a kernel restart before it can be
+    # imported). pip adds what Colab lacks and upgrades transformers to 5.x, which nothing has imported yet;
+    # Colab's torch is kept (see the setup page).
     # !git clone -q --depth 1 https://github.com/gpu-efficient-training/book /content/book
-    # %pip install -q -e /content/book
+    # %pip install -q --no-warn-conflicts /content/book
     # %cd /content/book/notebooks
 
 from helpers import env
