@@ -197,10 +197,9 @@ def linear_grad_dtypes(model, batch, half):
                 else:
                     computed.add(parent.variable.dtype)
             stack.append(parent)
-    loss.backward()
+    loss.backward()  # leaves the gradients in .grad: the state count below includes them
     for handle in handles:
         handle.remove()
-    model.zero_grad(set_to_none=True)
     return {str(d).removeprefix("torch.") for d in computed}
 
 
@@ -312,6 +311,8 @@ text = (f"Starting from {runs['fp32']['losses'][0]:.2f} nats, the five-step mean
         + ", ".join(f"{mp.loc[r, 'loss, last 10 steps']:.1e} ({r})" for r in runs) + " nats. ")
 if same:
     text += "The recipes learned the task alike, within ten steps of each other. "
+elif all(pd.isna(s) for s in learned.values()):
+    text += f"No recipe reached a loss of 0.1 in this run's {kw_steps} steps; the curves show how far each got. "
 else:
     text += "The recipes did not learn alike in this run: compare the curves above before trusting a recipe. "
 if "fp16" in runs:
@@ -685,13 +686,14 @@ elif kept_lo > 0:
     text += "Autocast costs memory at every batch of this sweep when the gradients are kept. "
 else:
     text += "In this run autocast did not raise the peak even with the gradients kept. "
-text += (f"A rule for a model of $N$ parameters whose gradients are alive during the forward pass: the copies cost "
-         f"about $2N$ bytes (here {copies[HALF]:.2f} bytes per parameter, {copies[HALF] * n_bert / GIB:.2f} GiB), and "
-         f"autocast saves $(1 - {act_ratio:.2f})$ of the fp32 activations, the ratio measured in section 5.1 (not "
-         f"half: layer-norm inputs, the residual stream and the loss's inputs stay fp32, and dropout masks are one "
-         f"byte in both). So autocast raises the peak while the fp32 activations of a micro-batch are smaller than "
-         f"about $2N / (1 - {act_ratio:.2f}) \\approx {copies[HALF] / max(1 - act_ratio, 1e-6):.1f}\\,N$ bytes "
-         f"(the popular $4N$ assumes they halve).")
+c_bpp, keep = copies[HALF], act_ratio
+text += (f"A rule for a model of $N$ parameters whose gradients are alive during the forward pass: the weight copies "
+         f"cost $cN$ bytes, with $c$ = {c_bpp:.2f} measured in section 5.1 (below 2: embeddings and layer norms are "
+         f"not cast), and autocast keeps {keep:.0%} of the fp32 activations, so it saves $(1 - {keep:.2f})$ of them "
+         f"(not half: layer-norm inputs, the residual stream and the loss's inputs stay fp32, and dropout masks are "
+         f"one byte in both). So autocast raises the peak while the fp32 activations of a micro-batch are smaller "
+         f"than about $cN / (1 - {keep:.2f}) \\approx {c_bpp / max(1 - keep, 1e-6):.1f}N$ bytes. The popular $4N$ "
+         f"assumes $c = 2$ and activations that halve.")
 display(Markdown(text))
 
 # %% [markdown]
@@ -1328,6 +1330,11 @@ if prof.on_gpu:
     cleanup.collect()
     end_mib = torch.cuda.memory_allocated() / MIB
     print(f"allocated at the start: {baseline_mib:,.2f} MiB; at the end: {end_mib:,.2f} MiB")
+    if end_mib > baseline_mib + 0.01:  # name what is still alive before failing
+        import gc
+
+        live = [(tuple(t.shape), str(t.dtype)) for t in gc.get_objects() if torch.is_tensor(t) and t.is_cuda]
+        print(f"CUDA tensors Python still holds: {live[:20]}")
     assert end_mib <= baseline_mib + 0.01, f"{end_mib - baseline_mib:.2f} MiB still allocated: something leaked"
 else:
     print("skipped on CPU: no GPU memory to check")

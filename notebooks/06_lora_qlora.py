@@ -938,7 +938,7 @@ display(Markdown(
     f"48 GB card for activations, which is why the paper needs gradient checkpointing, and for the paged optimizer "
     f"to absorb the spikes of long sequences by moving its states to CPU memory. The formula reproduces both claims. "
     f"The embeddings and LM head are {100 * (n_llama - n_quantized) / n_llama:.1f}% of LLaMA-65B's parameters, "
-    f"against {100 * n_embed / n_base:.0f}% of the 1.3B model of section 6.3, whose measurements show the same "
+    f"against {100 * n_embed / n_base:.0f}% of this chapter's model, whose measurements in section 6.3 show the same "
     f"structure at small scale, where the unquantized embeddings and the activations weigh more."
 ))
 
@@ -1081,6 +1081,11 @@ if prof.on_gpu:
     cleanup.collect()
     end_mib = torch.cuda.memory_allocated() / MIB
     print(f"allocated at the start: {baseline_mib:,.2f} MiB; at the end: {end_mib:,.2f} MiB")
+    if end_mib > baseline_mib + 0.01:  # name what is still alive before failing
+        import gc
+
+        live = [(tuple(t.shape), str(t.dtype)) for t in gc.get_objects() if torch.is_tensor(t) and t.is_cuda]
+        print(f"CUDA tensors Python still holds: {live[:20]}")
     assert end_mib <= baseline_mib + 0.01, f"{end_mib - baseline_mib:.2f} MiB still allocated: something leaked"
 else:
     print("skipped on CPU: no GPU memory to check")
