@@ -320,11 +320,11 @@ if "fp16" in runs:
     halvings = int((sc.diff() < 0).sum())
     doublings = int((sc.diff() > 0).sum())
     if halvings == 0 and doublings == 0:
-        text += (f"The fp16 `GradScaler` never changed its scale: $S$ stayed at its initial value, "
-                 f"{sc.iloc[0]:,.0f} ($2^{{{math.log2(sc.iloc[0]):.0f}}}$), for all {len(sc)} steps. No scaled "
-                 f"gradient overflowed, so it never halved $S$ or skipped a step, and it doubles $S$ only after "
+        text += (f"The fp16 `GradScaler` never changed its scale: *S* stayed at its initial value, "
+                 f"{sc.iloc[0]:,.0f} (2^{math.log2(sc.iloc[0]):.0f}), for all {len(sc)} steps. No scaled "
+                 f"gradient overflowed, so it never halved *S* or skipped a step, and it doubles *S* only after "
                  f"2,000 clean steps (its `growth_interval`), more than this run has. So this run does not show the "
-                 f"scaler searching for a scale; it shows that $2^{{16}}$ was small enough not to overflow.")
+                 f"scaler searching for a scale; it shows that 2^16 was small enough not to overflow.")
     else:
         text += (f"The fp16 `GradScaler` halved its scale {halvings} times (each time skipping that step, because a "
                  f"scaled gradient overflowed) and doubled it {doublings} times, from {sc.iloc[0]:,.0f} to "
@@ -585,17 +585,17 @@ lost, lost_scaled = scaling.iloc[0, 0], scaling.iloc[1, 0]
 err, err_scaled = scaling.iloc[0, 1], scaling.iloc[1, 1]
 near = abs(lost - lost_pct) <= 0.25 * max(lost_pct, 1e-3)
 display(Markdown(
-    f"In fp32, {share_below.iloc[0]:.3f}% of this batch's non-zero weight gradients are smaller than $2^{{-25}}$, "
-    f"{share_below.iloc[1]:.3f}% smaller than $2^{{-24}}$ and {share_below.iloc[2]:.1f}% smaller than $2^{{-14}}$. "
+    f"In fp32, {share_below.iloc[0]:.3f}% of this batch's non-zero weight gradients are smaller than 2^-25, "
+    f"{share_below.iloc[1]:.3f}% smaller than 2^-24 and {share_below.iloc[2]:.1f}% smaller than 2^-14. "
     f"Under fp16 autocast without scaling, {lost:.3f}% of the gradients came out exactly zero although the fp32 "
     f"reference is not, and the gradient vector is {err:.2f}% away from the reference. "
-    + ("The lost share is close to the share below $2^{-25}$, as round-to-nearest predicts: a weight gradient "
+    + ("The lost share is close to the share below 2^-25, as round-to-nearest predicts: a weight gradient "
        "is lost when the fp16 matrix product that computes it rounds its result to zero. "
        if near else
-       f"The lost share is not the share below $2^{{-25}}$ ({lost_pct:.3f}%): the fp16 backward computes the "
+       f"The lost share is not the share below 2^-25 ({lost_pct:.3f}%): the fp16 backward computes the "
        f"gradients from fp16 activation gradients, which are themselves rounded and can underflow earlier, so its "
        f"small values are not the reference's. ")
-    + f"With the loss scaled by $2^{{16}}$, {lost_scaled:.3f}% are lost and the error is {err_scaled:.2f}%: what "
+    + f"With the loss scaled by 2^16, {lost_scaled:.3f}% are lost and the error is {err_scaled:.2f}%: what "
     f"remains is the rounding of 16-bit products, which no scaling removes. The histogram's log axis shows the "
     f"tail that matters here. bf16 autocast needs none of this: its range is fp32's, which is why it is the default "
     f"choice on GPUs that support it (A100, H100 and later; a T4 has no bf16 tensor cores, so on Colab's free GPU "
@@ -687,13 +687,13 @@ elif kept_lo > 0:
 else:
     text += "In this run autocast did not raise the peak even with the gradients kept. "
 c_bpp, keep = copies[HALF], act_ratio
-text += (f"A rule for a model of $N$ parameters whose gradients are alive during the forward pass: the weight copies "
-         f"cost $cN$ bytes, with $c$ = {c_bpp:.2f} measured in section 5.1 (below 2: embeddings and layer norms are "
-         f"not cast), and autocast keeps {keep:.0%} of the fp32 activations, so it saves $(1 - {keep:.2f})$ of them "
+text += (f"A rule for a model of *N* parameters whose gradients are alive during the forward pass: the weight copies "
+         f"cost *cN* bytes, with *c* = {c_bpp:.2f} measured in section 5.1 (below 2: embeddings and layer norms are "
+         f"not cast), and autocast keeps {keep:.0%} of the fp32 activations, so it saves 1 - {keep:.2f} of them "
          f"(not half: layer-norm inputs, the residual stream and the loss's inputs stay fp32, and dropout masks are "
          f"one byte in both). So autocast raises the peak while the fp32 activations of a micro-batch are smaller "
-         f"than about $cN / (1 - {keep:.2f}) \\approx {c_bpp / max(1 - keep, 1e-6):.1f}N$ bytes. The popular $4N$ "
-         f"assumes $c = 2$ and activations that halve.")
+         f"than about *cN* / (1 - {keep:.2f}) ≈ {c_bpp / max(1 - keep, 1e-6):.1f} *N* bytes. The popular 4*N* "
+         f"assumes *c* = 2 and activations that halve.")
 display(Markdown(text))
 
 # %% [markdown]
@@ -829,7 +829,7 @@ text += (f"Convergence, as the step at which the five-step mean loss first fell 
          f"{learned_txt}. ")
 adam_ok = pd.notna(ot.loc["AdamW (foreach)", "loss < 0.1 from step"]) and pd.notna(ot.loc["8-bit AdamW (bnb)", "loss < 0.1 from step"])
 if adam_ok:
-    text += ("AdamW and its 8-bit version both learned the task, as [Dettmers et al. (2022)](../book/references.md) "
+    text += ("AdamW and its 8-bit version both learned the task, as Dettmers et al. (2022) "
              "report for 8-bit states. ")
 slow = [n for n in ("SGD + momentum", "Adafactor") if pd.isna(ot.loc[n, "loss < 0.1 from step"])]
 if slow:
@@ -999,9 +999,9 @@ if prof.on_gpu:
         "measured ceiling, not the datasheet, is the honest denominator for a utilisation figure (chapter 8 uses both)."
     ))
     m8, odd = share["mult8"], share["odd"]
-    text = (f"The fine sweep is the lesson of this section. In {top}, $n = {n_mid}$ ran at {f.loc[n_mid, top]:.0f} "
-            f"TFLOP/s, $n = {n_mid - 1}$ at {f.loc[n_mid - 1, top]:.0f} and $n = {n_mid + 1}$ at "
-            f"{f.loc[n_mid + 1, top]:.0f}; $n = {n_mid - 8}$, a multiple of 8 but not of 64, at "
+    text = (f"The fine sweep is the lesson of this section. In {top}, n = {n_mid} ran at {f.loc[n_mid, top]:.0f} "
+            f"TFLOP/s, n = {n_mid - 1} at {f.loc[n_mid - 1, top]:.0f} and n = {n_mid + 1} at "
+            f"{f.loc[n_mid + 1, top]:.0f}; n = {n_mid - 8}, a multiple of 8 but not of 64, at "
             f"{f.loc[n_mid - 8, top]:.0f}. Over the whole range, odd sizes reached {odd:.0%} of the median throughput "
             f"of the multiples of 64, and multiples of 8 that are not multiples of 64 reached {m8:.0%}. ")
     if m8 >= 0.9 and odd < 0.8:
@@ -1011,7 +1011,7 @@ if prof.on_gpu:
         text += "On this GPU even multiples of 8 fall clearly short of multiples of 64, so padding further pays. "
     if "tf32" in MODES:
         text += (f"TF32 shows the same pattern ({f.loc[n_mid, 'tf32']:.0f} against {f.loc[n_mid - 1, 'tf32']:.0f} "
-                 f"TFLOP/s at $n = {n_mid - 1}$); ")
+                 f"TFLOP/s at n = {n_mid - 1}); ")
     text += (f"plain fp32, which does not use tensor cores, cares less ({f.loc[n_mid, 'fp32']:.1f} against "
              f"{f.loc[n_mid - 1, 'fp32']:.1f}).")
     display(Markdown(text))

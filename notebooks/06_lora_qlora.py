@@ -190,8 +190,8 @@ lora_counts
 # %% tags=["remove-input"]
 display(Markdown(
     f"Both assertions passed: the adapted model's logits equal the base model's bit for bit, and the trainable count "
-    f"is exactly $r(d_\\text{{in}} + d_\\text{{out}})$ summed over the {len(adapted)} adapted layers, "
-    f"${n_layers} \\cdot r \\cdot 6d$ here: {trainable:,} parameters, {100 * trainable / n_base:.2f}% of the "
+    f"is exactly r (d_in + d_out) summed over the {len(adapted)} adapted layers, "
+    f"{n_layers} · r · 6d here: {trainable:,} parameters, {100 * trainable / n_base:.2f}% of the "
     f"{n_base / 1e9:.2f} billion. One training step shows what moves:"
 ))
 
@@ -745,23 +745,23 @@ fig.tight_layout()
 if len(rank_ok) >= 2:
     lo_r, hi_r = rank_ok.index[0], rank_ok.index[-1]
     a, b = rank_ok.loc[lo_r], rank_ok.loc[hi_r]
-    text = (f"From $r$ = {lo_r} to {hi_r} the trainable parameters grow from {a['trainable (M)']:.2f} to "
-            f"{b['trainable (M)']:.1f} million, in proportion to $r$ (the rank axis doubles at each step, which is why "
+    text = (f"From r = {lo_r} to {hi_r} the trainable parameters grow from {a['trainable (M)']:.2f} to "
+            f"{b['trainable (M)']:.1f} million, in proportion to r (the rank axis doubles at each step, which is why "
             f"a straight proportion looks like a curve there). Each trainable parameter costs 16 bytes (fp32 weight "
-            f"and gradient, two AdamW states): {b['adapter states']:.2f} GiB at $r$ = {hi_r}, against "
+            f"and gradient, two AdamW states): {b['adapter states']:.2f} GiB at r = {hi_r}, against "
             f"{b['frozen base']:.2f} GiB of frozen base and {float(b['activations']):.2f} GiB saved for backward. ")
     if bigger:
         text += (f"So at the largest rank the adapters' states are no longer small: they exceed the "
                  f"{' and the '.join(bigger)}. ")
         small_r = [r for r in rank_ok.index if rank_ok.loc[r, "adapter states"] < 0.1 * rank_ok.loc[r, "frozen base"]]
         if small_r:
-            text += f"Up to $r$ = {max(small_r)} they are under a tenth of the frozen base. "
+            text += f"Up to r = {max(small_r)} they are under a tenth of the frozen base. "
     else:
         text += "Even at the largest rank the adapters' states stay below the frozen base and the activations. "
     if prof.on_gpu:
         text += f"The peak grew from {float(a['peak allocated']):.2f} to {float(b['peak allocated']):.2f} GiB. "
     text += ("The LoRA paper found small ranks sufficient for the tasks it studied "
-             "([Hu et al. (2022)](../book/references.md)), with the $\\alpha / r$ scaling that section 6.1 discussed; "
+             "(Hu et al., 2022), with the α/r scaling that section 6.1 discussed; "
              "with rsLoRA's scaling, larger ranks learn faster, and the memory cost is then what limits the rank.")
     display(Markdown(text))
 else:
@@ -809,7 +809,7 @@ if LORA in learn and QLORA in learn:
     gap = abs(final[LORA] - final[QLORA])
     text += (f"LoRA and QLoRA end {gap:.3f} nats apart: " + (
         "they follow each other, since the 4-bit base computes nearly the same function as the 16-bit one, the finding "
-        "behind QLoRA ([Dettmers et al. (2023)](../book/references.md))." if gap < 0.05 else
+        "behind QLoRA (Dettmers et al., 2023)." if gap < 0.05 else
         "further apart than the 4-bit base alone should make them; the 8-bit optimizer is the other difference "
         "(compare the LoRA run with the 8-bit AdamW)."))
 display(Markdown(text))
@@ -886,7 +886,7 @@ display(Markdown(
     f"The LoRA side of the paper's claim is pure weight storage: 2 bytes for each of the 175 billion frozen "
     f"parameters make {(state_bytes(n_gpt3, 'half_inference') + state_bytes(n_lora_gpt3, 'mixed_adamw')) / 1e9:.0f} "
     f"GB, and the adapters, even at 18 bytes per trainable parameter, add a fraction of a GB. The checkpoint of "
-    f"$r = 4$ adapters on $W_q$ and $W_v$ is {2 * n_lora_gpt3 / 1e6:.1f} MB in fp16 ({2 * n_lora_gpt3 / MIB:.1f} "
+    f"r = 4 adapters on W_q and W_v is {2 * n_lora_gpt3 / 1e6:.1f} MB in fp16 ({2 * n_lora_gpt3 / MIB:.1f} "
     f"MiB), the paper's \"35 MB\" give or take the units. For full fine-tuning the paper does not say how it "
     f"counted. No per-parameter rule gives exactly 1.2 TB: 8 bytes per parameter (fp16 weights, gradients and both "
     f"Adam states, the LLM book's recipe of chapter 1) gives {full8 / 1e12:.2f} TB, which is {full8 / 2**40:.2f} "
