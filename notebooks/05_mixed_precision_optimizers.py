@@ -31,13 +31,16 @@
 # - when mixed precision *raises* the peak memory instead of lowering it;
 # - the state bytes per parameter of AdamW (foreach and fused), SGD with momentum, Adafactor, and the 8-bit and
 #   paged 8-bit AdamW of bitsandbytes, with their step times and loss curves;
-# - how a matrix product is cut into tiles, why matrix sizes that are multiples of 64 run faster, and how far the
-#   measured matmul ceiling is from the datasheet.
+# - how a matrix product is cut into tiles, why misaligned matrix sizes run slower, and how far the measured
+#   matmul ceiling is from the datasheet.
 #
 # **Prerequisites:** [chapter 1](01_memory_anatomy.ipynb) (the memory components and the four memory numbers) and
-# [chapter 2](02_dtypes_quantization.ipynb) (number formats, block-wise quantization).
-# On a CPU this notebook runs tiny versions of the models; the numbers in the text come from the full-size run on the
-# GPU named in the first output below.
+# [chapter 2](02_dtypes_quantization.ipynb) (number formats, block-wise quantization); [chapter
+# 8](08_profiling.ipynb) explains the timing method (GPU-busy fraction, host enqueue time) used here.
+# Every sentence that quotes a number is computed from this notebook's own run, on the machine named in the first
+# output below. On a CPU the notebook runs tiny versions of the models, and the sentences about speed say they were
+# skipped; on a GPU older than the A100 (compute capability below 8.0, such as Colab's T4) the TF32 and bf16 parts
+# are replaced by fp16 or skipped, with one line that says so.
 
 # %%
 import sys
@@ -69,39 +72,75 @@ dev = prof.device
 env.report(prof)
 
 # %% [markdown]
+# The first cell that touches the GPU notes what PyTorch has allocated before any experiment, so that the last
+# cell can check that the chapter gave everything back, and asks the GPU what its tensor cores support: bf16 and
+# TF32 need compute capability 8.0 (the A100 and later), and where they are missing autocast uses fp16.
+
+# %%
+import math
+
+from IPython.display import Markdown, display
+
+from helpers import timing
+
+cap = profiles.capability()  # None on a CPU
+AMP = profiles.amp_dtype()  # bf16 on a CPU and on GPUs of compute capability >= 8.0, fp16 below
+AMP_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16"}[AMP]
+baseline_mib = torch.cuda.memory_allocated() / MIB if prof.on_gpu else 0.0
+if cap is not None:
+    print(f"{cap.name}: compute capability {cap.major}.{cap.minor}; bf16 tensor cores: {cap.bf16}, "
+          f"TF32: {cap.tf32}; autocast uses {AMP_NAME}")
+else:
+    print("CPU run: tiny models; autocast runs on the CPU in bf16 and fp16, and no timing here means much")
+
+# %% [markdown]
 # ## 5.1 One training step, four precisions
 #
 # [Chapter 2](02_dtypes_quantization.ipynb) took the formats apart: fp32 has 8 exponent and 23 mantissa bits; fp16
-# keeps 10 mantissa bits but only 5 exponent bits, so it overflows past 65,504 and flushes values below
-# $2^{-24} \approx 6 \times 10^{-8}$ to zero; bf16 {cite:p}`kalamkar2019bfloat16` keeps fp32's 8 exponent bits and
-# 7 mantissa bits, fp32's range with less precision. TF32 is not a storage format: it is how NVIDIA's tensor cores
-# (since the A100) multiply fp32 matrices, reading 10 of the 23 mantissa bits and accumulating in fp32. Here we
-# train with them.
+# keeps 10 mantissa bits but only 5 exponent bits, so it overflows past 65,504 and has nothing between 0 and its
+# smallest subnormal, $2^{-24} \approx 6 \times 10^{-8}$; bf16 ([Kalamkar et al. (2019)](../book/references.md))
+# keeps fp32's 8 exponent bits and 7 mantissa bits, fp32's range with less precision. TF32 is not a storage format:
+# it is how NVIDIA's tensor cores (since the A100) multiply fp32 matrices, reading 10 of the 23 mantissa bits and
+# accumulating in fp32. Here we train with them.
 #
 # *Mixed precision* in PyTorch is `torch.autocast`: the weights stay in fp32, and inside the autocast region each
 # operation runs in the dtype that suits it. Matrix products (linear layers, attention) cast their inputs to 16
 # bits and run on the tensor cores; operations that need range or accumulate many values (softmax, layer norm, the
-# loss, sums) run in fp32. The backward pass follows the same dtypes, the gradients arrive in fp32 because the
-# weights are fp32, and the optimizer updates the fp32 weights: the *master weights* of
-# {cite:t}`micikevicius2018mixed`. With fp16, a `GradScaler` does their *loss scaling*: it multiplies the loss by a
-# scale $S$ before `backward()`, so that small gradients stay inside fp16's range on their way back, divides the
-# gradients by $S$ before the step, skips the step when a gradient overflowed to inf, and adapts $S$ as it goes.
+# loss, sums) run in fp32. The backward pass follows the same dtypes: the gradient of each weight is computed by a
+# 16-bit matrix product and then cast to fp32, the dtype of the weight it belongs to, and the optimizer updates
+# the fp32 weights, the *master weights* of [Micikevicius et al. (2018)](../book/references.md). With fp16, a
+# `GradScaler` does their *loss scaling*: it multiplies the loss by a scale $S$ before `backward()`, so that small
+# gradients stay inside fp16's range on their way back, divides the gradients by $S$ before the step, skips the step
+# when a gradient overflowed to inf (and then halves $S$), and doubles $S$ after a run of steps without overflow.
 #
 # Four recipes on bert-large (seed 0, the same initial weights and batches for each): fp32; TF32 (the same code
 # with `torch.backends.cuda.matmul.allow_tf32 = True`, off by default in PyTorch); fp16 autocast with `GradScaler`;
-# bf16 autocast. The task is `data.keyword_dataset`: label 1 when a keyword token occurs in the sequence. Short
-# sequences (16 tokens, 64 per batch) make it learnable from random weights in a short run: the loss sits at
-# $\ln 2 \approx 0.69$ nats (guessing) until the model finds the keyword, then falls. The loop is the lesson, so here
-# it is in full; every recipe runs the same lines, and the ones that do not apply are switched off by
-# `enabled=False`.
+# bf16 autocast. On a GPU without bf16 and TF32 tensor cores (a T4) only fp32 and fp16 run. The task is
+# `data.keyword_dataset`: label 1 when a keyword token occurs in the sequence. Short sequences (16 tokens, 64 per
+# batch) make it learnable from random weights in a short run: the loss sits at $\ln 2 \approx 0.69$ nats
+# (guessing) until the model finds the keyword, then falls. The loop is the lesson, so here it is in full; every
+# recipe runs the same lines, and the ones that do not apply are switched off by `enabled=False`.
+#
+# After training, each recipe's step is timed with `timing.time_it` (chapter 8: ten timed steps after three
+# warm-up steps, wall and host-enqueue time, and the GPU-busy fraction from a profiled run) at two sizes: the
+# training batch (64 x 16 = 1,024 tokens) and a realistic one (32 sequences of 512 tokens, 16,384 tokens; the tiny
+# CPU profile uses 2 x 64).
+# The same function also checks what stays in fp32 and in which dtype the weight gradients are computed.
 
 # %%
 RECIPES = {"fp32": None, "tf32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+if cap is not None and not cap.bf16:
+    RECIPES = {"fp32": None, "fp16": torch.float16}
+    print(f"skipped on {cap.name}: the TF32 and bf16 recipes need compute capability 8.0 (this GPU has "
+          f"{cap.major}.{cap.minor}); fp32 and fp16 run")
+HALF = "bf16" if "bf16" in RECIPES else "fp16"  # the 16-bit recipe the text compares with fp32
 kw_seq, kw_batch = 16, prof.pick(tiny=16, full=64)
 # bert-large diverges at lr 1e-4; a probe of 1e-5 to 1e-4 on the H200 found 2e-5 with 20 warm-up steps learns the
 # task in about 50 steps (the tiny twin needs a larger rate to move at all in its 12 steps)
-kw_steps, warmup_steps, kw_lr = prof.pick(tiny=12, full=120), 20, prof.pick(tiny=1e-4, full=2e-5)
+kw_steps, warmup_steps, kw_lr = prof.pick(tiny=12, full=80), 20, prof.pick(tiny=1e-4, full=2e-5)
+big_batch, big_seq = prof.pick(tiny=2, full=32), prof.pick(tiny=64, full=512)  # the realistic step
 ds_kw = data.keyword_dataset(kw_steps * kw_batch, kw_seq, seed=0)
+ds_big = data.keyword_dataset(big_batch, big_seq, seed=1)
 tiny_input = {"input_ids": ds_kw[:1]["input_ids"][:, :8].to(dev), "labels": ds_kw[:1]["labels"].to(dev)}
 
 
@@ -112,48 +151,110 @@ def learned_at(losses, threshold=0.1, window=5):
     return float(below.index[0] + 1) if len(below) else float("nan")
 
 
+class SavedByDtype:
+    """Bytes saved for backward during a forward pass, by dtype (each storage once, parameters left out)."""
+
+    def __init__(self, model):
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.seen, self.bytes = set(), {}
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda saved: saved)
+
+    def pack(self, t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self.params and ptr not in self.seen:
+            self.seen.add(ptr)
+            name = str(t.dtype).removeprefix("torch.")
+            self.bytes[name] = self.bytes.get(name, 0) + t.untyped_storage().nbytes()
+        return t.detach()  # an alias without grad_fn: keeping t would tie an op's output to its own node
+
+    def __enter__(self):
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+
+
+def linear_grad_dtypes(model, batch, half):
+    """The dtypes in which the gradients of the nn.Linear weights are computed, read off the autograd graph.
+
+    Under autocast a weight enters its matrix product through a cast: a ToCopyBackward0 node just above the
+    weight's AccumulateGrad. A hook on that node sees the gradient before it is cast to the weight's dtype.
+    Without a cast, the gradient is computed in the weight's own dtype.
+    """
+    weights = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    computed, handles = set(), []
+    with torch.autocast(dev, dtype=half, enabled=half is not None):
+        loss = model(**batch).loss
+    stack, seen = [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for parent, _ in node.next_functions:
+            if parent is not None and id(getattr(parent, "variable", None)) in weights:
+                if node.name() == "ToCopyBackward0":
+                    handles.append(node.register_hook(lambda grad_in, grad_out: computed.add(grad_out[0].dtype)))
+                else:
+                    computed.add(parent.variable.dtype)
+            stack.append(parent)
+    loss.backward()  # leaves the gradients in .grad: the state count below includes them
+    for handle in handles:
+        handle.remove()
+    return {str(d).removeprefix("torch.") for d in computed}
+
+
 def train_recipe(recipe, steps=kw_steps, lr=kw_lr):
-    """Train a fresh bert-large for `steps` steps in one recipe; return losses, step times and memory."""
+    """Train a fresh bert-large for `steps` steps in one recipe; losses, scales, memory, dtypes and timings."""
     half = RECIPES[recipe]
     torch.backends.cuda.matmul.allow_tf32 = recipe == "tf32"  # a GPU switch; a CPU ignores it
     model = models.build("bert-large-uncased", head="sequence-classification", seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     scaler = torch.amp.GradScaler(dev, enabled=recipe == "fp16")
-    losses, times, skipped = [], [], 0
-    measure.reset_peak(dev)
-    for i, batch in enumerate(itertools.islice(train.batches(ds_kw, kw_batch, seed=0), steps)):
-        batch = {k: v.to(dev) for k, v in batch.items()}
-        for group in optimizer.param_groups:  # linear warm-up of the learning rate
-            group["lr"] = lr * min(1.0, (i + 1) / warmup_steps)
-        scale_before = scaler.get_scale()
-        measure.synchronize(dev)
-        start = time.perf_counter()
+
+    def step(batch):
         with torch.autocast(dev, dtype=half, enabled=half is not None):
             loss = model(**batch).loss
         scaler.scale(loss).backward()  # fp16: backward of S * loss; otherwise plain backward
         scaler.step(optimizer)  # fp16: unscale the gradients, skip the step if one is inf or nan
         scaler.update()  # fp16: halve S after an overflow, double it after 2000 clean steps
         optimizer.zero_grad(set_to_none=True)
-        measure.synchronize(dev)
-        times.append(time.perf_counter() - start)
-        losses.append(loss.item())
-        skipped += scaler.get_scale() < scale_before
+        return loss
+
+    losses, scales = [], []
+    measure.reset_peak(dev)
+    for i, batch in enumerate(itertools.islice(train.batches(ds_kw, kw_batch, seed=0), steps)):
+        batch = {k: v.to(dev) for k, v in batch.items()}
+        for group in optimizer.param_groups:  # linear warm-up of the learning rate
+            group["lr"] = lr * min(1.0, (i + 1) / warmup_steps)
+        losses.append(step(batch).item())
+        scales.append(scaler.get_scale() if scaler.is_enabled() else float("nan"))
     peak = measure.allocator_mib()["peak_allocated_mib"] * MIB / GIB if prof.on_gpu else float("nan")
-    # What stays in fp32: the weights, their gradients and AdamW's two states.
-    with torch.autocast(dev, dtype=half, enabled=half is not None):
-        model(**batch).loss.backward()
-    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
-    assert all(s.dtype == torch.float32 for st in optimizer.state.values() for s in st.values() if s.dim() > 0)
+    # Time the step at the training size and at the realistic size (time_it: warm-up, 10 repeats, GPU-busy).
+    t_small = timing.time_it(lambda: step(batch), device=dev, warmup=3, repeat=10)
+    big = {k: v.to(dev) for k, v in ds_big[:].items()}
+    try:
+        t_big = timing.time_it(lambda: step(big), device=dev, warmup=2, repeat=10)
+    except torch.OutOfMemoryError:
+        t_big = None  # too large for this GPU: reported as out of memory
+    optimizer.zero_grad(set_to_none=True)
+    # By construction, not a measurement: a .grad always has its parameter's dtype, and autocast never changes
+    # the dtype of the weights or of AdamW's states.
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    # A check that can fail: in which dtype were the Linear weights' gradients computed?
+    grad_dtypes = linear_grad_dtypes(model, batch, half)
+    assert grad_dtypes == {str(half or torch.float32).removeprefix("torch.")}, grad_dtypes
     states = accounting.model_state_bytes(model, optimizer)
     # The 16-bit weight copies autocast keeps for backward: saved bytes of an 8-token input (activations ~ 0).
     with accounting.SavedTensorMeter(model) as copies, torch.autocast(dev, dtype=half, enabled=half is not None):
         model(**tiny_input)
-    with accounting.SavedTensorMeter(model) as saved, torch.autocast(dev, dtype=half, enabled=half is not None):
+    with SavedByDtype(model) as saved, torch.autocast(dev, dtype=half, enabled=half is not None):
         model(**batch)
     n = models.n_params(model)
     return {
-        "recipe": recipe, "losses": losses, "step_s": pd.Series(times[3:]).median(), "peak_gib": peak,
-        "saved_gib": saved.total_bytes / GIB, "fp16_skipped": skipped, "final_scale": scaler.get_scale(),
+        "recipe": recipe, "losses": losses, "scales": scales, "t_small": t_small, "t_big": t_big, "peak_gib": peak,
+        "saved_by_dtype": saved.bytes, "saved_gib": sum(saved.bytes.values()) / GIB, "grad_dtypes": grad_dtypes,
         "weights_bpp": states["weights"] / n, "gradients_bpp": states["gradients"] / n,
         "optimizer_bpp": states["optimizer_states"] / n, "copies_bpp": copies.total_bytes / n, "n_params": n,
     }
@@ -164,81 +265,168 @@ for recipe in RECIPES:
     runs[recipe] = train_recipe(recipe)
     cleanup.free(globals())  # the function's model and optimizer are gone; empty the allocator's cache
 torch.backends.cuda.matmul.allow_tf32 = False
-print(f"{len(runs)} recipes x {kw_steps} steps, batch {kw_batch} x {kw_seq} tokens")
+print(f"{len(runs)} recipes x {kw_steps} steps, batch {kw_batch} x {kw_seq} tokens; "
+      f"Linear weight gradients computed in: " + ", ".join(f"{r} {sorted(v['grad_dtypes'])[0]}" for r, v in runs.items()))
 
 # %% [markdown]
-# Every recipe passed the assertions inside the function: after training, the weights, their gradients and
-# AdamW's states are all fp32. The table gives the median step time after three warm-up steps, the peak allocated
-# memory over the run (GPU only), the bytes saved for backward by one forward pass of a training batch, and the mean
-# loss of the last ten steps.
+# Every recipe passed the checks inside the function. Two of them hold by construction (a gradient has its
+# weight's dtype, and autocast leaves the weights in fp32), so they are labelled as such; the one that could fail
+# reads the autograd graph: under fp16 and bf16 autocast, the gradient of every linear layer's weight is computed
+# by a 16-bit matrix product and only cast to fp32 on its way into `.grad`. The table gives the median step time of
+# ten timed steps at the training size, the peak allocated memory over the training run (GPU only), the bytes saved
+# for backward by one forward pass of a training batch, and the mean loss of the last ten steps.
 
 # %%
 mp = pd.DataFrame({
-    r: {"step (ms)": v["step_s"] * 1e3, "samples/s": kw_batch / v["step_s"],
-        "tokens/s": kw_batch * kw_seq / v["step_s"], "peak allocated (GiB)": v["peak_gib"],
+    r: {"step (ms)": v["t_small"].wall.median * 1e3, "step IQR (ms)": v["t_small"].wall.iqr * 1e3,
+        "samples/s": kw_batch / v["t_small"].wall.median,
+        "tokens/s": kw_batch * kw_seq / v["t_small"].wall.median, "peak allocated (GiB)": v["peak_gib"],
         "saved for backward (GiB)": v["saved_gib"], "loss, last 10 steps": pd.Series(v["losses"][-10:]).mean(),
-        "loss < 0.1 from step": learned_at(v["losses"]),
-        "fp16 steps skipped": v["fp16_skipped"]}
+        "loss < 0.1 from step": learned_at(v["losses"])}
     for r, v in runs.items()
 }).T
 mp["speed-up vs fp32"] = mp.loc["fp32", "step (ms)"] / mp["step (ms)"]
-if prof.is_full and prof.on_gpu:
-    for r in RECIPES:
-        glue(f"mp_{r}_ms", mp.loc[r, "step (ms)"])
-        glue(f"mp_{r}_peak", mp.loc[r, "peak allocated (GiB)"])
-        glue(f"mp_{r}_saved", mp.loc[r, "saved for backward (GiB)"])
-        glue(f"mp_{r}_loss", mp.loc[r, "loss, last 10 steps"])
-        glue(f"mp_{r}_speedup", mp.loc[r, "speed-up vs fp32"])
-        glue(f"mp_{r}_learned", mp.loc[r, "loss < 0.1 from step"])
-    glue("mp_fp16_skipped", int(mp.loc["fp16", "fp16 steps skipped"]))
-    glue("mp_fp16_scale", runs["fp16"]["final_scale"])
-    glue("mp_loss0", runs["fp32"]["losses"][0])
-    glue("mp_states_gib", 16 * runs["fp32"]["n_params"] / GIB)
+glue("mp_half_speedup", mp.loc[HALF, "speed-up vs fp32"])
 mp
 
 # %%
 curves = pd.DataFrame({r: v["losses"] for r, v in runs.items()})
 fig, ax = plt.subplots()
-for r, style in zip(RECIPES, ["-", "--", "-.", ":"]):
+for r, style in zip(runs, ["-", "--", "-.", ":"]):
     ax.plot(curves.index + 1, curves[r].rolling(5, min_periods=1).mean(), style, label=r)
-ax.set_title("bert-large, keyword task: the four precisions learn alike (mean of 5 steps)")
+learned = {r: learned_at(v["losses"]) for r, v in runs.items()}
+same = all(pd.notna(s) for s in learned.values()) and max(learned.values()) - min(learned.values()) <= 10
+ax.set_title("bert-large, keyword task: " + ("the precisions learn alike" if same else "loss by precision")
+             + " (mean of 5 steps)")
 ax.set_xlabel("training step")
 ax.set_ylabel("training loss (nats)")
-ax.legend()
+ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
 fig.tight_layout()
 
+# %% tags=["remove-input"]
+def fmt_step(r):
+    return "never" if pd.isna(learned[r]) else f"step {learned[r]:.0f}"
+
+
+text = (f"Starting from {runs['fp32']['losses'][0]:.2f} nats, the five-step mean loss fell below 0.1 at "
+        + ", ".join(f"{fmt_step(r)} ({r})" for r in runs) + "; the last ten steps averaged "
+        + ", ".join(f"{mp.loc[r, 'loss, last 10 steps']:.1e} ({r})" for r in runs) + " nats. ")
+if same:
+    text += "The recipes learned the task alike, within ten steps of each other. "
+elif all(pd.isna(s) for s in learned.values()):
+    text += f"No recipe reached a loss of 0.1 in this run's {kw_steps} steps; the curves show how far each got. "
+else:
+    text += "The recipes did not learn alike in this run: compare the curves above before trusting a recipe. "
+if "fp16" in runs:
+    sc = pd.Series(runs["fp16"]["scales"])
+    halvings = int((sc.diff() < 0).sum())
+    doublings = int((sc.diff() > 0).sum())
+    if halvings == 0 and doublings == 0:
+        text += (f"The fp16 `GradScaler` never changed its scale: *S* stayed at its initial value, "
+                 f"{sc.iloc[0]:,.0f} (2^{math.log2(sc.iloc[0]):.0f}), for all {len(sc)} steps. No scaled "
+                 f"gradient overflowed, so it never halved *S* or skipped a step, and it doubles *S* only after "
+                 f"2,000 clean steps (its `growth_interval`), more than this run has. So this run does not show the "
+                 f"scaler searching for a scale; it shows that 2^16 was small enough not to overflow.")
+    else:
+        text += (f"The fp16 `GradScaler` halved its scale {halvings} times (each time skipping that step, because a "
+                 f"scaled gradient overflowed) and doubled it {doublings} times, from {sc.iloc[0]:,.0f} to "
+                 f"{sc.iloc[-1]:,.0f}: the largest scale it tried without overflow.")
+display(Markdown(text))
+
 # %% [markdown]
-# On this GPU a step took {glue:text}`mp_fp32_ms:.0f` ms in fp32, {glue:text}`mp_tf32_ms:.0f` ms with TF32
-# ({glue:text}`mp_tf32_speedup:.1f` times fp32's speed, for one line of code), {glue:text}`mp_fp16_ms:.0f` ms with
-# fp16 autocast and {glue:text}`mp_bf16_ms:.0f` ms with bf16 autocast ({glue:text}`mp_bf16_speedup:.1f` times fp32's
-# speed). That autocast is not faster here is a property of this workload: 64 sequences of 16 tokens are 1,024
-# tokens per step, the matrix products are small, and autocast adds a cast of every weight to 16 bits in every
-# forward pass; the casts cost more than the faster products save. TF32 speeds up the same products without any
-# cast. Section 5.5 measures what the tensor cores give where matrix products are large. The
-# loss curves follow each other: starting from {glue:text}`mp_loss0:.2f` nats, each recipe left the plateau and
-# its five-step mean fell below 0.1 at step {glue:text}`mp_fp32_learned:.0f` (fp32), {glue:text}`mp_tf32_learned:.0f`
-# (TF32), {glue:text}`mp_fp16_learned:.0f` (fp16) and {glue:text}`mp_bf16_learned:.0f` (bf16); the last ten steps
-# averaged {glue:text}`mp_fp32_loss:.1e`, {glue:text}`mp_tf32_loss:.1e`, {glue:text}`mp_fp16_loss:.1e` and
-# {glue:text}`mp_bf16_loss:.1e` nats. The `GradScaler` skipped {glue:text}`mp_fp16_skipped` of the fp16
-# steps because a scaled gradient overflowed, and ended at $S$ = {glue:text}`mp_fp16_scale:,.0f`: this is how it
-# finds the largest scale that does not overflow.
-#
-# Memory: the bytes saved for backward were {glue:text}`mp_fp32_saved:.2f` GiB in fp32 and
-# {glue:text}`mp_bf16_saved:.2f` GiB with bf16 autocast, whose activations take half the space but which also keeps
-# the 16-bit weight copies described below. The peak allocated memory was {glue:text}`mp_fp32_peak:.2f` GiB in fp32
-# and {glue:text}`mp_bf16_peak:.2f` GiB with bf16: at this small batch the peak is the optimizer step (weights,
-# gradients, both states and the multi-tensor step's temporary buffer, chapter 1), which mixed precision does not
-# touch; the model states under it, {glue:text}`mp_states_gib:.2f` GiB, are the same in every recipe. Section 5.3
-# looks at the peak more closely.
-#
-# **What the 16- and 18-byte rules count.** The Hugging Face guide {cite:p}`hf_training_anatomy` counts mixed
-# precision as 18 bytes per parameter: 6 for the weights (an fp32 copy and a 16-bit copy), 4 for the gradients and 8
-# for AdamW. The same function measured each part, per parameter, after training:
+# **Speed, and what limits it.** The table below is `time_it`'s verdict for each recipe at both sizes: the median
+# wall time of a step and its interquartile range (IQR), the host enqueue time (how long the CPU needed to issue the
+# step's work), the GPU-busy fraction (the share of the wall time in which some kernel ran), the number of GPU
+# operations per step, and the GPU time of the copy kernels, which include every dtype cast autocast makes. A
+# speed-up counts only when it is larger than the spread (`timing.compare`).
+
+# %%
+speed_rows = {}
+for r, v in runs.items():
+    for size, t in ((f"{kw_batch} x {kw_seq}", v["t_small"]), (f"{big_batch} x {big_seq}", v["t_big"])):
+        if t is None:
+            speed_rows[(size, r)] = {"verdict": "out of memory"}
+            continue
+        row = t.summary()
+        if t.profile is not None:
+            g = t.profile.gpu_events
+            row["copy and cast kernels (ms)"] = g.loc[g["name"].str.contains("copy", case=False), "dur_us"].sum() / t.profile.steps / 1e3
+        speed_rows[(size, r)] = row
+speed = pd.DataFrame(speed_rows).T
+speed_cols = [c for c in ("wall median (ms)", "wall IQR (ms)", "host enqueue median (ms)", "GPU busy", "GPU ops per call",
+                          "GPU kernel time (ms)", "copy and cast kernels (ms)", "verdict") if c in speed.columns]
+cmp_small = timing.compare({r: v["t_small"] for r, v in runs.items()}, baseline="fp32")
+cmp_big = (timing.compare({r: v["t_big"] for r, v in runs.items()}, baseline="fp32")
+           if all(v["t_big"] is not None for v in runs.values()) else None)
+speed[speed_cols]
+
+# %% tags=["remove-input"]
+if prof.on_gpu:
+    ts, t32 = runs[HALF]["t_small"], runs["fp32"]["t_small"]
+    d = cmp_small[HALF]
+    verdict_txt = ("faster than" if d["difference"] == "faster" else "slower than" if d["difference"] == "slower"
+                   else "within the noise of")
+    text = (f"At {kw_batch * kw_seq:,} tokens per step, {HALF} autocast took {ts.wall.median * 1e3:.1f} ms "
+            f"(IQR {ts.wall.iqr * 1e3:.1f}) and fp32 {t32.wall.median * 1e3:.1f} ms (IQR {t32.wall.iqr * 1e3:.1f}): "
+            f"{HALF} was {verdict_txt} fp32 ({d['speed-up']:.2f} times its speed). ")
+    if "tf32" in runs:
+        dt = cmp_small["tf32"]
+        text += f"TF32 ran at {dt['speed-up']:.2f} times fp32's speed ({dt['difference']}). "
+    cast = speed.loc[(f"{kw_batch} x {kw_seq}", HALF), "copy and cast kernels (ms)"]
+    n_w = runs["fp32"]["n_params"]
+    text += (f"The {HALF} step kept the GPU busy {ts.gpu_busy:.0%} of its wall time and needed "
+             f"{ts.host.median * 1e3:.1f} ms of host time to issue {ts.kernels_per_call:,} GPU operations "
+             f"(fp32: busy {t32.gpu_busy:.0%}, {t32.kernels_per_call:,} operations); `time_it`'s verdict is "
+             f"*{ts.verdict}*. Casting the {n_w / 1e6:,.0f} million weights to 16 bits reads 4 and writes 2 bytes "
+             f"each, {6 * n_w / 1e9:.1f} GB per forward pass; all copy kernels of the step together, every cast among "
+             f"them, ran for {cast:.2f} ms of GPU time, {cast / (ts.wall.median * 1e3):.0%} of the step. ")
+    if ts.verdict == "host-bound":
+        text += ("So the step's time is the CPU's time to issue work, not the GPU's arithmetic: autocast adds a "
+                 "cast operator in front of every matrix product, each a trip through the dispatcher and a kernel "
+                 "launch, and the faster 16-bit products cannot shorten a step whose GPU is waiting for Python. ")
+    else:
+        text += ("The step is not host-bound here, so the GPU's own work decides its time. ")
+    if cmp_big is not None:
+        tb, tb32 = runs[HALF]["t_big"], runs["fp32"]["t_big"]
+        db = cmp_big[HALF]
+        text += (f"At {big_batch} x {big_seq} = {big_batch * big_seq:,} tokens the picture changes: the GPU was busy "
+                 f"{tb.gpu_busy:.0%} of the {HALF} step (*{tb.verdict}*) and {tb32.gpu_busy:.0%} of fp32's; "
+                 f"{HALF} took {tb.wall.median * 1e3:.0f} ms against fp32's {tb32.wall.median * 1e3:.0f} ms, "
+                 f"{db['speed-up']:.1f} times the speed ({db['difference']})")
+        if "tf32" in runs:
+            text += f", and TF32 {cmp_big['tf32']['speed-up']:.1f} times ({cmp_big['tf32']['difference']})"
+        text += ". Mixed precision pays where the matrix products keep the GPU busy."
+    else:
+        oom = [r for r, v in runs.items() if v["t_big"] is None]
+        text += (f"At {big_batch} x {big_seq} tokens the step ran out of memory on this GPU for "
+                 f"{', '.join(oom)}, so the realistic comparison is missing here.")
+    display(Markdown(text))
+else:
+    print("skipped on CPU: GPU-busy, host enqueue time and tensor-core speed-ups need a GPU")
+
+# %% tags=["remove-input"]
+if prof.on_gpu:
+    display(Markdown(
+        f"Memory: the peak allocated memory of the training run was {mp.loc['fp32', 'peak allocated (GiB)']:.2f} "
+        f"GiB in fp32 and {mp.loc[HALF, 'peak allocated (GiB)']:.2f} GiB with {HALF} autocast. At this small batch "
+        f"the peak is the optimizer step (weights, gradients, both states and the multi-tensor step's temporary "
+        f"buffer, chapter 1), which mixed precision does not touch; the model states under it, "
+        f"{16 * runs['fp32']['n_params'] / GIB:.2f} GiB, are the same in every recipe. Section 5.3 looks at the "
+        f"peak more closely."
+    ))
+else:
+    print("skipped on CPU: peak allocated memory needs a GPU")
+
+# %% [markdown]
+# **What the 16- and 18-byte rules count.** The Hugging Face guide
+# ([Hugging Face, model training anatomy](../book/references.md)) counts mixed precision as 18 bytes per parameter:
+# 6 for the weights (an fp32 copy and a 16-bit copy), 4 for the gradients and 8 for AdamW. The same function
+# measured each part, per parameter, after training:
 
 # %%
 # NBVAL_CHECK_OUTPUT
 # (byte counts of the model states: identical on every machine; printed as text, identical across pandas versions)
-rules = {r: sum(estimates.BYTES_PER_PARAM["fp32_adamw" if RECIPES[r] is None else "mixed_adamw"].values()) for r in RECIPES}
+rules = {r: sum(estimates.BYTES_PER_PARAM["fp32_adamw" if RECIPES[r] is None else "mixed_adamw"].values()) for r in runs}
 bpp = pd.DataFrame({
     r: {"weights (fp32)": v["weights_bpp"], "gradients (fp32)": v["gradients_bpp"],
         "AdamW states (fp32)": v["optimizer_bpp"], "persistent total": v["weights_bpp"] + v["gradients_bpp"] + v["optimizer_bpp"],
@@ -248,26 +436,26 @@ bpp = pd.DataFrame({
 print(bpp.round(2).to_string())
 
 # %% [markdown]
-# Sixteen persistent bytes in all four recipes. The 16-bit weight copies of the rule are real, but transient:
+# Sixteen persistent bytes in every recipe. The 16-bit weight copies of the rule are real, but transient:
 # autocast casts each weight when a layer first uses it, keeps the copy for the rest of the forward pass (the
 # backward pass needs it) and frees it during backward. [Chapter 1](01_memory_anatomy.ipynb) measured them at just
 # under 2 bytes per parameter (embeddings and layer norms are not cast). Here, for each recipe:
 
 # %%
 copies = pd.Series({r: v["copies_bpp"] for r, v in runs.items()}, name="saved for backward, 8-token input (bytes/param)")
-if prof.is_full:
-    glue("copies_bf16_bpp", copies["bf16"])
-    glue("copies_fp32_bpp", copies["fp32"])
 copies
 
+# %% tags=["remove-input"]
+display(Markdown(
+    f"With 8 tokens the activations are negligible: fp32 saves {copies['fp32']:.2f} bytes per parameter and keeps "
+    f"no weight copies" + (" (nor does TF32, which rounds inside the tensor core, not in memory)" if "tf32" in copies else "")
+    + f"; {HALF} autocast saves {copies[HALF]:.2f} bytes per parameter, nearly all of it 16-bit weight copies. "
+    f"So the 18-byte rule is an upper bound of the model states during the forward pass, and 16 bytes is what stays."
+))
+
 # %% [markdown]
-# With 8 tokens the activations are negligible: fp32 and TF32 save {glue:text}`copies_fp32_bpp:.2f` bytes per
-# parameter, and keep no weight copies (TF32 rounds inside the tensor core, not in memory); fp16 and bf16 save
-# {glue:text}`copies_bf16_bpp:.2f` bytes per parameter, nearly all of it 16-bit weight copies. So the
-# 18-byte rule is an upper bound of the model states during the forward pass, and 16 bytes is what stays.
-#
 # Which operations run in which dtype? Forward hooks on a one-layer bert-large record the dtype of each module's
-# output under bf16 autocast:
+# output under autocast (bf16, or fp16 on a GPU without bf16):
 
 # %%
 probe = models.build("bert-large-uncased", head="sequence-classification", num_hidden_layers=1)
@@ -281,20 +469,47 @@ def record_dtype(module, args, output):
 
 
 hooks = [m.register_forward_hook(record_dtype) for m in probe.modules()]
-with torch.autocast(dev, dtype=torch.bfloat16):
+with torch.autocast(dev, dtype=AMP):
     probe_out = probe(**tiny_input)
 for h in hooks:
     h.remove()
-assert out_dtypes["Linear"] == {"bfloat16"} and out_dtypes["LayerNorm"] == {"float32"}
+assert out_dtypes["Linear"] == {str(AMP).removeprefix("torch.")} and out_dtypes["LayerNorm"] == {"float32"}
 assert probe_out.loss.dtype == torch.float32
 pd.Series({k: ", ".join(sorted(v)) for k, v in out_dtypes.items() if k in
            ("Embedding", "Linear", "GELUActivation", "LayerNorm", "BertSelfAttention", "BertLayer")} |
-          {"loss (cross-entropy)": str(probe_out.loss.dtype).removeprefix("torch.")}, name="output dtype under bf16 autocast")
+          {"loss (cross-entropy)": str(probe_out.loss.dtype).removeprefix("torch.")}, name=f"output dtype under {AMP_NAME} autocast")
 
 # %% [markdown]
-# Linear layers and attention produce bf16; the embedding lookup, layer norm and the loss produce fp32, and so
-# does the residual stream after each layer norm. Autocast keeps lists of which operation runs in which dtype; the
-# ones that reduce over many values (norms, softmax, sums, the loss) are on the fp32 list.
+# Linear layers and attention produce 16-bit outputs; the embedding lookup, layer norm and the loss produce fp32,
+# and so does the residual stream after each layer norm. Autocast keeps lists of which operation runs in which
+# dtype; the ones that reduce over many values (norms, softmax, sums, the loss) are on the fp32 list.
+#
+# That decides how much autocast saves on activations. Each operation saves for backward what its gradient needs,
+# in the dtype it ran in: a linear layer saves its 16-bit input, but a layer norm saves its fp32 input, the loss its
+# fp32 logits, and dropout a mask of one byte per value whatever the precision. The training batch's saved bytes,
+# by dtype (the 16-bit row includes the weight copies):
+
+# %%
+by_dtype = pd.DataFrame({r: v["saved_by_dtype"] for r, v in runs.items() if r in ("fp32", HALF)}).fillna(0) / GIB
+by_dtype.loc["total"] = by_dtype.sum()
+copies_gib = copies[HALF] * runs[HALF]["n_params"] / GIB
+by_dtype.loc["total less weight copies"] = by_dtype.loc["total"] - pd.Series({"fp32": 0.0, HALF: copies_gib})
+by_dtype.columns = [f"{c} (GiB)" for c in by_dtype.columns]
+act_ratio = by_dtype.iloc[-1, 1] / by_dtype.iloc[-1, 0]
+by_dtype
+
+# %% tags=["remove-input"]
+half_dt = str(RECIPES[HALF]).removeprefix("torch.")
+fp32_left = by_dtype.loc["float32"].iloc[1] if "float32" in by_dtype.index else 0.0
+bool_gib = by_dtype.loc["bool"].iloc[1] if "bool" in by_dtype.index else 0.0
+display(Markdown(
+    f"Without the weight copies, {HALF} autocast saved {by_dtype.iloc[-1, 1]:.2f} GiB for backward against fp32's "
+    f"{by_dtype.iloc[-1, 0]:.2f} GiB: {act_ratio:.0%} of it, not the half a rule of thumb assumes. Of the "
+    f"{HALF} run's saved bytes, {fp32_left:.2f} GiB stayed in fp32 (layer-norm inputs, the residual stream, softmax "
+    f"and loss inputs) and {bool_gib:.2f} GiB are one-byte dropout masks, the same size in both recipes; only the "
+    f"{by_dtype.loc[half_dt].iloc[1] - copies_gib if half_dt in by_dtype.index else float('nan'):.2f} GiB of "
+    f"16-bit activations are the halved ones. Section 5.3 uses this ratio."
+))
 
 # %%
 freed = cleanup.free(globals(), "probe", "probe_out", "hooks")
@@ -303,11 +518,15 @@ freed = cleanup.free(globals(), "probe", "probe_out", "hooks")
 # ## 5.2 Loss scaling: gradients underflow in an fp16 backward pass
 #
 # Chapter 2 counted the fp32 gradients of bert-large that fp16 *would* flush to zero. Under autocast the question is
-# subtler: the weights and their gradients are fp32, but the gradients of the activations flow back through fp16
-# matrix products, and each weight gradient is summed from them. So we run it: the gradients of bert-large for one
-# batch, three times, with dropout off so that the three passes compute the same function: in fp32 (the
-# reference), under fp16 autocast without scaling, and under fp16 autocast with the loss multiplied by $2^{16}$ and
-# the gradients divided by it afterwards, which is what `GradScaler` does.
+# different: the weights are fp32, but their gradients are computed by fp16 matrix products from the fp16 gradients
+# of the activations (section 5.1 read that off the autograd graph), and only then stored as fp32. An fp16 result
+# is rounded to the nearest fp16 value, and the smallest one above zero is the subnormal $2^{-24}$: a value below
+# half of it, $2^{-25}$, rounds to zero (at exactly $2^{-25}$ the tie goes to the even neighbour, zero). So the
+# share of gradients an fp16 backward loses should be close to the share of true gradients below $2^{-25}$, not
+# below $2^{-24}$. We run it: the gradients of bert-large for one batch, three times, with dropout off so that the
+# three passes compute the same function: in fp32 (the reference), under fp16 autocast without scaling, and under
+# fp16 autocast with the loss multiplied by $2^{16}$ and the gradients divided by it afterwards, which is what
+# `GradScaler` does.
 
 # %%
 model = models.build("bert-large-uncased", head="sequence-classification", seed=0).eval()
@@ -333,16 +552,15 @@ scaling = pd.DataFrame({
            "relative error vs fp32 (%)": 100 * ((g - g_ref).norm() / g_ref.norm()).item()}
     for name, g in {"fp16 autocast, no scaling": g_fp16, "fp16 autocast, loss x 2^16": g_scaled}.items()
 }).T
-below = {"below 2^-24 (fp16 underflows to 0)": 2.0**-24, "below 2^-14 (fp16 subnormal)": 2.0**-14}
+below = {"below 2^-25 (rounds to 0 in fp16)": 2.0**-25, "below 2^-24 (fp16's smallest subnormal)": 2.0**-24,
+         "below 2^-14 (fp16 subnormal range)": 2.0**-14}
 share_below = pd.Series({k: 100 * ((g_ref.abs() < v) & nonzero).sum().item() / n_nonzero for k, v in below.items()},
                         name="share of non-zero fp32 gradients (%)")
-if prof.is_full:
-    glue("ls_lost_noscale", scaling.iloc[0, 0])
-    glue("ls_lost_scaled", scaling.iloc[1, 0])
-    glue("ls_err_noscale", scaling.iloc[0, 1])
-    glue("ls_err_scaled", scaling.iloc[1, 1])
-    glue("ls_below24", share_below.iloc[0])
-    glue("ls_below14", share_below.iloc[1])
+# A check that can fail: rounding the fp32 reference to fp16 zeroes exactly the values at or below 2^-25.
+cast_zero = 100 * ((g_ref.half() == 0) & nonzero).sum().item() / n_nonzero
+at_or_below = 100 * ((g_ref.abs() <= 2.0**-25) & nonzero).sum().item() / n_nonzero
+assert abs(cast_zero - at_or_below) < 1e-9, (cast_zero, at_or_below)
+share_below["reference cast to fp16 is 0 (check: at or below 2^-25)"] = cast_zero
 display(share_below.to_frame())
 scaling
 
@@ -350,28 +568,41 @@ scaling
 log2 = g_ref[nonzero].abs_().log2_()  # in place: these vectors have one entry per weight
 lo, hi = int(log2.min().floor()), int(log2.max().ceil())
 counts = torch.histc(log2, bins=hi - lo, min=lo, max=hi).cpu()  # one bin per power of two, on the device
-fig, ax = plt.subplots()
+fig, ax = plt.subplots(figsize=(8, 4))
 ax.stairs(counts.numpy(), range(lo, hi + 1), fill=True, color="#4C72B0")
-ax.axvline(-24, color="#C44E52", linestyle="--", label="fp16 smallest subnormal, 2^-24")
-ax.axvline(-14, color="#DD8452", linestyle=":", label="fp16 smallest normal, 2^-14")
-ax.axvline(-24 - 16, color="grey", linestyle="-.", label="reachable with loss scale 2^16")
-ax.set_title("bert-large weight gradients (fp32): a share lies below fp16's range")
+ax.axvline(-25, color="#C44E52", linestyle="--", label="2^-25: below it, fp16 rounds to 0")
+ax.axvline(-14, color="#DD8452", linestyle=":", label="2^-14: fp16's smallest normal")
+ax.axvline(-25 - 16, color="grey", linestyle="-.", label="2^-41: rounds to 0 with loss scale 2^16")
+ax.set_yscale("log")
+lost_pct = share_below.iloc[0]
+ax.set_title(f"bert-large weight gradients (fp32): {lost_pct:.2g}% lie below fp16's rounding limit"
+             if lost_pct > 0 else "bert-large weight gradients (fp32): none lies below fp16's rounding limit")
 ax.set_xlabel("log2 |gradient| (one bin per power of two)")
-ax.set_ylabel("number of weights")
-ax.legend()
+ax.set_ylabel("number of weights (log scale)")
+ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
 fig.tight_layout()
 
-# %% [markdown]
-# In fp32, {glue:text}`ls_below24:.2f`% of this batch's non-zero weight gradients are smaller than $2^{-24}$ and
-# {glue:text}`ls_below14:.2f`% smaller than $2^{-14}$. Under fp16 autocast without scaling,
-# {glue:text}`ls_lost_noscale:.2f`% of the gradients came out exactly zero although the fp32 reference is not, and
-# the gradient vector is {glue:text}`ls_err_noscale:.2f`% away from the reference. (The loss of small values happens
-# inside the backward pass, in the fp16 gradients of the activations that each weight gradient is summed from, so
-# the two shares need not be equal.) With the loss scaled by $2^{16}$, {glue:text}`ls_lost_scaled:.2f`% are lost
-# and the error is {glue:text}`ls_err_scaled:.2f`%: what remains is the rounding of 16-bit products, which no
-# scaling removes. bf16 autocast
-# needs none of this: its range is fp32's, which is why it is the default choice on GPUs that support it (A100,
-# H100 and later; a T4 has no bf16 tensor cores, so on Colab's free GPU fp16 with a scaler is the fast option).
+# %% tags=["remove-input"]
+lost, lost_scaled = scaling.iloc[0, 0], scaling.iloc[1, 0]
+err, err_scaled = scaling.iloc[0, 1], scaling.iloc[1, 1]
+near = abs(lost - lost_pct) <= 0.25 * max(lost_pct, 1e-3)
+display(Markdown(
+    f"In fp32, {share_below.iloc[0]:.3f}% of this batch's non-zero weight gradients are smaller than 2^-25, "
+    f"{share_below.iloc[1]:.3f}% smaller than 2^-24 and {share_below.iloc[2]:.1f}% smaller than 2^-14. "
+    f"Under fp16 autocast without scaling, {lost:.3f}% of the gradients came out exactly zero although the fp32 "
+    f"reference is not, and the gradient vector is {err:.2f}% away from the reference. "
+    + ("The lost share is close to the share below 2^-25, as round-to-nearest predicts: a weight gradient "
+       "is lost when the fp16 matrix product that computes it rounds its result to zero. "
+       if near else
+       f"The lost share is not the share below 2^-25 ({lost_pct:.3f}%): the fp16 backward computes the "
+       f"gradients from fp16 activation gradients, which are themselves rounded and can underflow earlier, so its "
+       f"small values are not the reference's. ")
+    + f"With the loss scaled by 2^16, {lost_scaled:.3f}% are lost and the error is {err_scaled:.2f}%: what "
+    f"remains is the rounding of 16-bit products, which no scaling removes. The histogram's log axis shows the "
+    f"tail that matters here. bf16 autocast needs none of this: its range is fp32's, which is why it is the default "
+    f"choice on GPUs that support it (A100, H100 and later; a T4 has no bf16 tensor cores, so on Colab's free GPU "
+    f"fp16 with a scaler is the fast option)."
+))
 
 # %%
 freed = cleanup.free(globals(), "model", "g_ref", "g_fp16", "g_scaled", "nonzero", "log2")
@@ -379,17 +610,17 @@ freed = cleanup.free(globals(), "model", "g_ref", "g_fp16", "g_scaled", "nonzero
 # %% [markdown]
 # ## 5.3 When mixed precision raises the peak
 #
-# The seed notes warn that mixed precision can *increase* memory for a large model at a small batch, and save
-# memory for a small model at a large batch. Section 5.1 shows why either can happen: autocast adds about 2 bytes
-# per parameter of weight copies and halves the activations. Which wins depends on what else is alive when the
-# copies are. If the gradients of the previous step are freed (`zero_grad(set_to_none=True)`, PyTorch's default),
-# the copies are gone before the gradients are complete, so at small batches the peak (weights, gradients and
-# optimizer states at the end of backward) is the same with or without autocast. If the gradients stay allocated
-# through the forward pass (with
+# The Hugging Face guide's table of single-GPU techniques warns that mixed precision can *increase* memory for a
+# large model at a small batch, and save memory for a small model at a large batch. Section 5.1 shows why either
+# can happen: autocast adds about 2 bytes per parameter of weight copies and shrinks the activations (to the ratio
+# measured there, not to half). Which wins depends on what else is alive when the copies are. If the gradients of
+# the previous step are freed (`zero_grad(set_to_none=True)`, PyTorch's default), the copies are gone before the
+# gradients are complete, so at small batches the peak (weights, gradients and optimizer states at the end of
+# backward) is the same with or without autocast. If the gradients stay allocated through the forward pass (with
 # `set_to_none=False`, and during every micro-batch after the first under gradient accumulation, chapter 3), the
 # copies come on top of all 16 bytes.
 #
-# We measure the peak of one training iteration (after a first one that created AdamW's states) for fp32 and bf16
+# We measure the peak of one training iteration (after a first one that created AdamW's states) for fp32 and
 # autocast at several batch sizes, with gradients freed and kept. The optimizer is `AdamW(fused=True)`, whose step
 # needs no temporary copy of the weights (the default multi-tensor step would set the peak at small batches, chapter
 # 1). On a CPU there is no allocator to ask; the cell reports what the accounting can see at the end of the forward
@@ -399,8 +630,7 @@ freed = cleanup.free(globals(), "model", "g_ref", "g_fp16", "g_scaled", "nonzero
 sweep_seq = prof.pick(tiny=32, full=128)
 sweep_batches = prof.pick(tiny=[1, 2, 4, 8], full=[1, 2, 4, 8, 16])
 sweep_rows = []
-for recipe in ("fp32", "bf16"):
-    half = RECIPES[recipe]
+for recipe, half in (("fp32", None), (AMP_NAME, AMP)):
     model = models.build("bert-large-uncased", head="sequence-classification", seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     for keep_grads, b in itertools.product((False, True), sweep_batches):
@@ -422,60 +652,71 @@ for recipe in ("fp32", "bf16"):
     cleanup.free(globals())
 sweep = pd.DataFrame(sweep_rows)
 metric = "peak allocated (GiB)" if prof.on_gpu else "accounted at forward end (GiB)"
-sweep.pivot_table(index="batch", columns=["gradients", "recipe"], values=metric)
+pk = sweep.pivot_table(index="batch", columns=["gradients", "recipe"], values=metric)
+pk
 
 # %%
+diff_mib = {g: (pk[(g, AMP_NAME)] - pk[(g, "fp32")]) * GIB / MIB for g in ("freed", "kept")}
 fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
 for ax, grads_mode in zip(axes, ("freed", "kept")):
-    for recipe, style in (("fp32", "o-"), ("bf16", "s--")):
+    for recipe, style in (("fp32", "o-"), (AMP_NAME, "s--")):
         part = sweep[(sweep.recipe == recipe) & (sweep.gradients == grads_mode)]
-        ax.plot(part.batch, part[metric], style, label=f"{recipe}" + (" autocast" if recipe == "bf16" else ""))
+        ax.plot(part.batch, part[metric], style, label=recipe + (" autocast" if recipe != "fp32" else ""))
     ax.set_xscale("log", base=2)
     ax.set_xlabel(f"batch size (sequences of {sweep_seq} tokens)")
     ax.set_title(f"gradients {grads_mode} between steps")
 axes[0].set_ylabel(metric)
-axes[0].legend()
-fig.suptitle("bert-large, fused AdamW: autocast costs memory at small batches when gradients are kept")
+axes[1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
+costs = diff_mib["kept"].iloc[0] > 0 and diff_mib["freed"].iloc[0] <= diff_mib["kept"].iloc[0]
+fig.suptitle(f"bert-large, fused AdamW: autocast {'costs memory at small batches when gradients are kept' if costs else 'against fp32, gradients freed and kept'}")
 fig.tight_layout()
 
-# %%
-if prof.is_full and prof.on_gpu:
-    pk = sweep.pivot_table(index="batch", columns=["gradients", "recipe"], values="peak allocated (GiB)")
-    b_lo, b_hi = sweep_batches[0], sweep_batches[-1]
-    glue("cav_kept_lo_diff_mib", (pk.loc[b_lo, ("kept", "bf16")] - pk.loc[b_lo, ("kept", "fp32")]) * GIB / MIB)
-    glue("cav_kept_hi_diff_mib", (pk.loc[b_hi, ("kept", "bf16")] - pk.loc[b_hi, ("kept", "fp32")]) * GIB / MIB)
-    glue("cav_freed_lo_diff_mib", (pk.loc[b_lo, ("freed", "bf16")] - pk.loc[b_lo, ("freed", "fp32")]) * GIB / MIB)
-    glue("cav_freed_hi_diff_mib", (pk.loc[b_hi, ("freed", "bf16")] - pk.loc[b_hi, ("freed", "fp32")]) * GIB / MIB)
-    glue("cav_b_lo", b_lo)
-    glue("cav_b_hi", b_hi)
-
-# %% [markdown]
-# With gradients kept, bf16 autocast's peak at batch {glue:text}`cav_b_lo` is
-# {glue:text}`cav_kept_lo_diff_mib:+,.0f` MiB away from fp32's (a positive number is a cost), and at batch
-# {glue:text}`cav_b_hi` {glue:text}`cav_kept_hi_diff_mib:+,.0f` MiB. With gradients freed the differences are
-# {glue:text}`cav_freed_lo_diff_mib:+,.0f` MiB and {glue:text}`cav_freed_hi_diff_mib:+,.0f` MiB. The seed's warning
-# is right in one setting, which is common: a large model trained at a small batch with gradient accumulation.
-# Then the weight copies (about 2 bytes per parameter) outweigh the halved activations, until the batch grows enough
-# that the activations win. The rule for a model of $N$ parameters whose gradients are alive during the forward
-# pass: autocast raises the peak while the fp32 activations of a micro-batch take less than about $4N$ bytes
-# (twice the copies' 2 bytes per parameter, since autocast halves the activations).
+# %% tags=["remove-input"]
+b_lo, b_hi = sweep_batches[0], sweep_batches[-1]
+unit = "peak allocated memory" if prof.on_gpu else "accounted memory at the end of the forward pass (CPU: no allocator)"
+kept_lo, kept_hi = diff_mib["kept"].loc[b_lo], diff_mib["kept"].loc[b_hi]
+freed_lo, freed_hi = diff_mib["freed"].loc[b_lo], diff_mib["freed"].loc[b_hi]
+n_bert = runs["fp32"]["n_params"]
+text = (f"Measured as {unit}: with gradients kept, {AMP_NAME} autocast is {kept_lo:+,.0f} MiB away from fp32 at batch "
+        f"{b_lo} (a positive number is a cost) and {kept_hi:+,.0f} MiB at batch {b_hi}; with gradients freed the "
+        f"differences are {freed_lo:+,.0f} MiB and {freed_hi:+,.0f} MiB. ")
+if kept_lo > 0 and kept_hi < kept_lo:
+    text += ("The guide's warning holds in one common setting: a large model trained at a small batch with gradient "
+             "accumulation. Then the weight copies outweigh the smaller activations, until the batch grows enough "
+             "that the activations win. ")
+elif kept_lo > 0:
+    text += "Autocast costs memory at every batch of this sweep when the gradients are kept. "
+else:
+    text += "In this run autocast did not raise the peak even with the gradients kept. "
+c_bpp, keep = copies[HALF], act_ratio
+text += (f"A rule for a model of *N* parameters whose gradients are alive during the forward pass: the weight copies "
+         f"cost *cN* bytes, with *c* = {c_bpp:.2f} measured in section 5.1 (below 2: embeddings and layer norms are "
+         f"not cast), and autocast keeps {keep:.0%} of the fp32 activations, so it saves 1 - {keep:.2f} of them "
+         f"(not half: layer-norm inputs, the residual stream and the loss's inputs stay fp32, and dropout masks are "
+         f"one byte in both). So autocast raises the peak while the fp32 activations of a micro-batch are smaller "
+         f"than about *cN* / (1 - {keep:.2f}) ≈ {c_bpp / max(1 - keep, 1e-6):.1f} *N* bytes. The popular 4*N* "
+         f"assumes *c* = 2 and activations that halve.")
+display(Markdown(text))
 
 # %% [markdown]
 # ## 5.4 Optimizers: state bytes, step time and convergence
 #
 # The optimizer states are the largest part of the 16 bytes. The rules of the Hugging Face guide
-# {cite:p}`hf_perf_train_gpu_one`: AdamW keeps 8 bytes per parameter (two fp32 states), SGD with momentum 4 (one),
-# and an 8-bit optimizer 2. Adafactor {cite:p}`shazeer2018adafactor` keeps, for each weight matrix, only the row and
-# column sums of the squared gradients (and no first moment in the Trainer's setting), so its states are almost
-# nothing. The 8-bit AdamW of bitsandbytes {cite:p}`dettmers2022optimizers` stores both states in 8 bits with one
+# ([Hugging Face, efficient training on one GPU](../book/references.md)): AdamW keeps 8 bytes per parameter (two
+# fp32 states), SGD with momentum 4 (one), and an 8-bit optimizer 2. Adafactor
+# ([Shazeer and Stern (2018)](../book/references.md)) keeps, for each weight matrix, only the row and column sums of
+# the squared gradients (and no first moment in the Trainer's setting), so its states are almost nothing. The 8-bit
+# AdamW of bitsandbytes ([Dettmers et al. (2022)](../book/references.md)) stores both states in 8 bits with one
 # fp32 scale per block of 256 values (block-wise quantization, as in chapter 2); tensors smaller than 4,096 values
-# (biases, layer norms) keep fp32 states. The paged variant allocates its states in CUDA unified memory, which the
-# driver can move to the CPU's RAM when the GPU runs out, instead of failing.
+# (biases, layer norms) keep fp32 states. The paged variant allocates the states of tensors with at least 100,000
+# values in CUDA unified memory, which the driver can move to the CPU's RAM when the GPU runs out, instead of
+# failing; smaller tensors get ordinary GPU tensors.
 #
-# Each optimizer trains a fresh bert-large (same seed, batches and bf16 autocast as in section 5.1) for the same
-# number of steps, with the learning rate of section 5.1 for the adaptive ones and 0.01 for SGD, whose steps are not
-# normalised by the gradients' size. The table's last column is the name that selects the same optimizer in the
-# Trainer, `TrainingArguments(optim=...)`.
+# Each optimizer trains a fresh bert-large (same seed, batches and autocast as in section 5.1) for the same number of
+# steps, with the learning rate of section 5.1 for the adaptive ones and 0.01 for SGD, whose steps are not
+# normalised by the gradients' size. After training, `time_it` times `optimizer.step()` alone and the whole training
+# step. The table's last column is the name that selects the same optimizer in the Trainer,
+# `TrainingArguments(optim=...)`.
 
 # %%
 import bitsandbytes as bnb
@@ -490,106 +731,114 @@ OPTIMIZERS = {  # name: (constructor, learning rate, Trainer's optim=)
     "8-bit AdamW (bnb)": (lambda p, lr: bnb.optim.AdamW8bit(p, lr=lr), kw_lr, "adamw_bnb_8bit"),
     "paged 8-bit AdamW (bnb)": (lambda p, lr: bnb.optim.PagedAdamW8bit(p, lr=lr), kw_lr, "paged_adamw_8bit"),
 }
+# A check that can fail (on another transformers version): every Trainer name we print exists.
 assert all(trainer_name in {o.value for o in OptimizerNames} for _, _, trainer_name in OPTIMIZERS.values())
 
 
 def train_optimizer(name, steps=kw_steps):
-    """Train a fresh bert-large with one optimizer (bf16 autocast); state bytes, step times, losses."""
+    """Train a fresh bert-large with one optimizer (autocast); state bytes, timings, losses."""
     make, lr, _ = OPTIMIZERS[name]
     model = models.build("bert-large-uncased", head="sequence-classification", seed=0)
     allocated_model = torch.cuda.memory_allocated() if prof.on_gpu else 0
     optimizer = make(model.parameters(), lr)
-    losses, step_times, total_times = [], [], []
+    scaler = torch.amp.GradScaler(dev, enabled=AMP == torch.float16)  # fp16 (a T4) needs loss scaling
+
+    def forward_backward(batch):
+        with torch.autocast(dev, dtype=AMP):
+            loss = model(**batch).loss
+        scaler.scale(loss).backward()
+        return loss
+
+    def training_step(batch):
+        loss = forward_backward(batch)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    losses = []
     measure.reset_peak(dev)
     for i, batch in enumerate(itertools.islice(train.batches(ds_kw, kw_batch, seed=0), steps)):
         batch = {k: v.to(dev) for k, v in batch.items()}
         for group in optimizer.param_groups:
             group["lr"] = lr * min(1.0, (i + 1) / warmup_steps)
-        measure.synchronize(dev)
-        start = time.perf_counter()
-        with torch.autocast(dev, dtype=torch.bfloat16):
-            loss = model(**batch).loss
-        loss.backward()
-        measure.synchronize(dev)
-        before_step = time.perf_counter()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        measure.synchronize(dev)
-        step_times.append(time.perf_counter() - before_step)
-        total_times.append(time.perf_counter() - start)
-        losses.append(loss.item())
+        losses.append(training_step(batch).item())
     n = models.n_params(model)
-    row = {"optimizer": name, "state (bytes/param)": accounting.optimizer_state_bytes(optimizer) / n,
-           "optimizer.step (ms)": 1e3 * pd.Series(step_times[3:]).median(),
-           "training step (ms)": 1e3 * pd.Series(total_times[3:]).median(),
-           "loss, last 10 steps": pd.Series(losses[-10:]).mean(), "loss < 0.1 from step": learned_at(losses)}
+    row = {"optimizer": name, "state (bytes/param)": accounting.optimizer_state_bytes(optimizer) / n}
     if prof.on_gpu:
         row["state in torch's allocator (bytes/param)"] = (torch.cuda.memory_allocated() - allocated_model) / n
         row["peak allocated (GiB)"] = measure.allocator_mib()["peak_allocated_mib"] * MIB / GIB
-    row["Trainer optim="] = OPTIMIZERS[name][2]
-    return row, losses
+    states = [t for st in accounting.inner_optimizer(optimizer).state.values() for t in st.values() if torch.is_tensor(t)]
+    row["paged state tensors"] = sum(bool(getattr(t, "is_paged", False)) for t in states)
+    t_step = timing.time_it(lambda: training_step(batch), device=dev, warmup=3, repeat=10, busy=False)
+    forward_backward(batch)  # gradients for the optimizer-only timing; each timed call reuses them
+    t_opt = timing.time_it(optimizer.step, device=dev, warmup=3, repeat=10)
+    optimizer.zero_grad(set_to_none=True)
+    row |= {"optimizer.step (ms)": t_opt.wall.median * 1e3, "optimizer.step IQR (ms)": t_opt.wall.iqr * 1e3,
+            "optimizer.step verdict": t_opt.verdict, "training step (ms)": t_step.wall.median * 1e3,
+            "training step IQR (ms)": t_step.wall.iqr * 1e3,
+            "loss, last 10 steps": pd.Series(losses[-10:]).mean(), "loss < 0.1 from step": learned_at(losses),
+            "Trainer optim=": OPTIMIZERS[name][2]}
+    return row, losses, t_opt
 
 
-opt_rows, opt_losses = [], {}
+opt_rows, opt_losses, opt_timed = [], {}, {}
 for name in OPTIMIZERS:
     if name.startswith("paged") and not profiles.cuda_or_skip("paged optimizers allocate CUDA unified memory"):
         continue
-    row, opt_losses[name] = train_optimizer(name)
+    row, opt_losses[name], opt_timed[name] = train_optimizer(name)
     opt_rows.append(row)
     cleanup.free(globals())
 optim_table = pd.DataFrame(opt_rows).set_index("optimizer")
 optim_table
 
 # %%
-fig, ax = plt.subplots()
+fig, ax = plt.subplots(figsize=(8, 4))
 for (name, losses), style in zip(opt_losses.items(), ["-", "--", "-.", ":", "-", "--"]):
     ax.plot(range(1, len(losses) + 1), pd.Series(losses).rolling(5, min_periods=1).mean(), style, label=name)
-ax.set_title("bert-large, keyword task, bf16 autocast: loss by optimizer (mean of 5 steps)")
+ax.set_title(f"bert-large, keyword task, {AMP_NAME} autocast: loss by optimizer (mean of 5 steps)")
 ax.set_xlabel("training step")
 ax.set_ylabel("training loss (nats)")
-ax.legend()
+ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
 fig.tight_layout()
 
-# %%
-if prof.is_full and prof.on_gpu:
-    ot = optim_table
-    for key, name in [("foreach", "AdamW (foreach)"), ("fused", "AdamW (fused)"), ("sgd", "SGD + momentum"),
-                      ("adafactor", "Adafactor"), ("bnb8", "8-bit AdamW (bnb)"), ("paged8", "paged 8-bit AdamW (bnb)")]:
-        glue(f"opt_{key}_bpp", ot.loc[name, "state (bytes/param)"])
-        glue(f"opt_{key}_step_ms", ot.loc[name, "optimizer.step (ms)"])
-        glue(f"opt_{key}_peak", ot.loc[name, "peak allocated (GiB)"])
-        glue(f"opt_{key}_loss", ot.loc[name, "loss, last 10 steps"])
-        glue(f"opt_{key}_learned", ot.loc[name, "loss < 0.1 from step"])
-    glue("opt_paged8_alloc_bpp", ot.loc["paged 8-bit AdamW (bnb)", "state in torch's allocator (bytes/param)"])
-    glue("opt_steps", kw_steps)
-    glue("opt_bnb8_alloc_bpp", ot.loc["8-bit AdamW (bnb)", "state in torch's allocator (bytes/param)"])
-
-
-# %% [markdown]
-# The measured states per parameter: {glue:text}`opt_foreach_bpp:.2f` bytes for AdamW with the multi-tensor
-# (foreach) step and {glue:text}`opt_fused_bpp:.2f` with the fused step, {glue:text}`opt_sgd_bpp:.2f` for SGD with
-# momentum, {glue:text}`opt_adafactor_bpp:.3f` for Adafactor, {glue:text}`opt_bnb8_bpp:.2f` for the 8-bit AdamW and
-# {glue:text}`opt_paged8_bpp:.2f` for the paged one. The rules hold; the 8-bit optimizers sit a little above 2 bytes
-# because of their per-block scales and the fp32 states of the small tensors.
-#
-# The paged optimizer differs where the allocator is concerned: of its states, only
-# {glue:text}`opt_paged8_alloc_bpp:.2f` bytes per parameter are in PyTorch's allocator (against
-# {glue:text}`opt_bnb8_alloc_bpp:.2f` for the plain 8-bit AdamW). bitsandbytes allocates the states of tensors with
-# at least 100,000 values itself, in unified memory, so `torch.cuda.memory_allocated` does not see them, while
-# NVML does as long as they reside on the GPU. Measuring a paged optimizer with the allocator's numbers alone
-# under-reports it.
-#
-# Time: `optimizer.step()` took {glue:text}`opt_foreach_step_ms:.1f` ms (foreach AdamW),
-# {glue:text}`opt_fused_step_ms:.1f` ms (fused AdamW), {glue:text}`opt_sgd_step_ms:.1f` ms (SGD),
-# {glue:text}`opt_adafactor_step_ms:.1f` ms (Adafactor, a Python loop over the parameters) and
-# {glue:text}`opt_bnb8_step_ms:.1f` ms (8-bit AdamW). Convergence, as the step at which the five-step mean loss
-# first fell below 0.1 ("nan": never, in {glue:text}`opt_steps` steps): {glue:text}`opt_foreach_learned:.0f` with
-# AdamW, {glue:text}`opt_bnb8_learned:.0f` with the 8-bit AdamW, {glue:text}`opt_adafactor_learned:.0f` with
-# Adafactor and {glue:text}`opt_sgd_learned:.0f` with SGD and momentum. AdamW and its 8-bit version learned the
-# task in step with each other, as {cite:t}`dettmers2022optimizers` report for 8-bit states. SGD with momentum (at
-# a learning rate of 0.01) and Adafactor (at AdamW's learning rate, without a first moment, as the Trainer sets it
-# up) did not leave the plateau in this short run. That says more about these learning rates than about the
-# optimizers: each needs its own tuning, which this section does not do.
+# %% tags=["remove-input"]
+ot = optim_table
+bpp_txt = ", ".join(f"{ot.loc[n, 'state (bytes/param)']:.3g} bytes for {n}" for n in ot.index)
+text = (f"The measured states per parameter: {bpp_txt}. The rules hold; the 8-bit optimizers sit a little above 2 "
+        f"bytes because of their per-block scales and the fp32 states of the small tensors. ")
+alloc_col = "state in torch's allocator (bytes/param)"
+if "paged 8-bit AdamW (bnb)" in ot.index:
+    paged = ot.loc["paged 8-bit AdamW (bnb)"]
+    text += (f"The paged optimizer paged {int(paged['paged state tensors'])} of its state tensors (those of weights "
+             f"with at least 100,000 values), and so only {paged[alloc_col]:.2f} bytes per parameter of its states "
+             f"are in PyTorch's allocator, against {ot.loc['8-bit AdamW (bnb)', alloc_col]:.2f} for the plain 8-bit "
+             f"AdamW: `torch.cuda.memory_allocated` does not see unified memory, while NVML does as long as it "
+             f"resides on the GPU. Measuring a paged optimizer with the allocator's numbers alone under-reports it. ")
+if prof.on_gpu:
+    cmp_opt = timing.compare(opt_timed, baseline="AdamW (fused)")
+    text += ("Time (median of ten calls, IQR in brackets, against fused AdamW): " + "; ".join(
+        f"{n} {t.wall.median * 1e3:.1f} ms ({t.wall.iqr * 1e3:.1f}), {cmp_opt[n]['difference']}, *{t.verdict}*"
+        for n, t in opt_timed.items() if n != "AdamW (fused)")
+        + f"; fused AdamW {opt_timed['AdamW (fused)'].wall.median * 1e3:.1f} ms. ")
+    adafactor = opt_timed.get("Adafactor")
+    if adafactor is not None and adafactor.verdict == "host-bound":
+        text += "Adafactor's step is a Python loop over the parameters, and the profiler calls it host-bound. "
+else:
+    text += "Optimizer step times are skipped on CPU: they need a GPU to mean anything. "
+learned_txt = ", ".join(f"{'never' if pd.isna(s) else f'{s:.0f}'} with {n}" for n, s in ot["loss < 0.1 from step"].items())
+text += (f"Convergence, as the step at which the five-step mean loss first fell below 0.1 (in {kw_steps} steps): "
+         f"{learned_txt}. ")
+adam_ok = pd.notna(ot.loc["AdamW (foreach)", "loss < 0.1 from step"]) and pd.notna(ot.loc["8-bit AdamW (bnb)", "loss < 0.1 from step"])
+if adam_ok:
+    text += ("AdamW and its 8-bit version both learned the task, as Dettmers et al. (2022) "
+             "report for 8-bit states. ")
+slow = [n for n in ("SGD + momentum", "Adafactor") if pd.isna(ot.loc[n, "loss < 0.1 from step"])]
+if slow:
+    text += (f"{' and '.join(slow)} did not leave the plateau in this short run. That says more about their learning "
+             f"rates (0.01 for SGD; AdamW's for Adafactor, without a first moment, as the Trainer sets it up) than "
+             f"about the optimizers: each needs its own tuning, which this section does not do.")
+display(Markdown(text))
 
 # %% [markdown]
 # ## 5.5 Tiles and tensor cores
@@ -653,22 +902,28 @@ print(reads_table.to_string())
 # several levels (the L2 cache, each multiprocessor's shared memory, its registers), and tensor cores compute small
 # fixed-size tile products in one instruction. When a matrix dimension is not a multiple of the tile
 # size, the last tiles are partly empty, and when it is not a multiple of 8 (16 bytes of bf16), the rows are not
-# aligned for the wide loads the fastest kernels use. NVIDIA's guide {cite:p}`nvidia_matmul_guide` therefore asks
-# for dimensions that are multiples of 8 at least, and of 64 or more to be safe.
+# aligned for the wide loads the fastest kernels use. NVIDIA's guide
+# ([NVIDIA, matrix multiplication performance guide](../book/references.md)) therefore asks for dimensions that are
+# multiples of 8 at least, and larger multiples (up to 64 or 128, depending on the GPU and the dtype) to be safe.
 #
 # We measure `torch.matmul` of square $n \times n$ matrices, in TFLOP/s ($2n^3$ divided by the median time), in
-# fp32, TF32 and bf16: first over a wide range of $n$, then for every $n$ from 4032 to 4160. Each timing is the
-# median of five repeats of a few back-to-back products, after warm-up.
+# fp32, TF32 and bf16 (on a GPU without TF32 and bf16 tensor cores: fp32 and fp16): first over a wide range of $n$,
+# then for every $n$ from 4032 to 4160. Each timing is `time_it`'s median of ten repeats of a few back-to-back
+# products, after warm-up.
 
 # %%
-MODES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16}
-RATE_GUESS = {"fp32": 50e12, "tf32": 300e12, "bf16": 700e12}  # FLOP/s, only to size the timed calls
-if not profiles.cuda_or_skip("TF32 and bf16 tensor-core matmuls need an NVIDIA GPU; the CPU sweep is fp32 at small sizes"):
-    MODES = {"fp32": torch.float32}
+MODES = {"fp32": torch.float32}
+if profiles.cuda_or_skip("TF32 and 16-bit tensor-core matmuls need an NVIDIA GPU; the CPU sweep is fp32 at small sizes"):
+    if cap.tf32:
+        MODES["tf32"] = torch.float32
+    else:
+        print(f"skipped on {cap.name}: TF32 needs compute capability 8.0")
+    MODES[AMP_NAME] = AMP
+RATE_GUESS = {"fp32": 50e12, "tf32": 300e12, "bf16": 700e12, "fp16": 700e12}  # FLOP/s, only to size the timed calls
 
 
 def matmul_tflops(n, mode):
-    """Measured TFLOP/s of an n x n by n x n product in one mode (median of 5 timed repeats)."""
+    """Measured TFLOP/s of an n x n by n x n product in one mode (median of 10 timed repeats)."""
     torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
     x = torch.randn(n, n, device=dev, dtype=MODES[mode])
     y = torch.randn(n, n, device=dev, dtype=MODES[mode])
@@ -679,8 +934,8 @@ def matmul_tflops(n, mode):
         for _ in range(reps):
             torch.matmul(x, y, out=out)
 
-    timing = measure.time_fn(products, device=dev, warmup=1, repeat=5)
-    return 2 * n**3 * reps / timing.median_s / 1e12
+    t = timing.time_it(products, device=dev, warmup=1, repeat=10, busy=False)  # a GPU-bound call: no profile needed
+    return 2 * n**3 * reps / t.wall.median / 1e12
 
 
 wide_sizes = prof.pick(tiny=[32, 64, 128, 256, 512], full=[256, 512, 1024, 2048, 4096, 8192, 16384])
@@ -696,83 +951,87 @@ peaks = {}
 for m in MODES if prof.on_gpu else ():
     try:
         peaks[m] = flops.peak_tflops(gpu_name, m)
-    except ValueError:  # a GPU or dtype that is not in the table (a T4 has no TF32 or bf16 tensor cores)
+    except ValueError:  # a GPU or dtype that is not in the table
         peaks[m] = float("nan")
 n_mid = fine_sizes[len(fine_sizes) // 2]  # 4096 on the GPU
-relative = fine.set_index("n") / fine.set_index("n").loc[n_mid]
+f = fine.set_index("n")
+relative = f / f.loc[n_mid]
+top = list(MODES)[-1]  # the fastest mode: bf16 (fp16 on a T4; fp32 on a CPU)
+share = {k: f.loc[f.index % 64 != 0, top][sel].median() / f.loc[f.index % 64 == 0, top].median()
+         for k, sel in (("odd", f.index[f.index % 64 != 0] % 2 == 1), ("mult8", f.index[f.index % 64 != 0] % 8 == 0))}
 fig, (ax_w, ax_f) = plt.subplots(1, 2, figsize=(11, 4))
-for (m, style), color in zip([("fp32", "o-"), ("tf32", "s-"), ("bf16", "^-")], ["#4C72B0", "#DD8452", "#55A868"]):
-    if m not in MODES:
-        continue
+for (m, style), color in zip([(m, s) for m, s in zip(MODES, ["o-", "s-", "^-"])], ["#4C72B0", "#DD8452", "#55A868"]):
     ax_w.plot(wide.n, wide[m], style, color=color, label=f"{m}, measured")
     ax_f.plot(relative.index, relative[m], "-", color=color, lw=1, label=m)
     if m in peaks:
         ax_w.axhline(peaks[m], color=color, linestyle=":", label=f"{m}, datasheet peak")
-mult64 = relative[relative.index % 64 == 0]
+mult8 = relative[relative.index % 8 == 0]
 for m in MODES:
-    ax_f.plot(mult64.index, mult64[m], "k.", ms=8)
+    ax_f.plot(mult8.index, mult8[m], "k.", ms=6)
 ax_w.set_xscale("log", base=2)
 ax_w.set_yscale("log")
 ax_w.set_xlabel("matrix size n (n x n by n x n)")
 ax_w.set_ylabel("TFLOP/s (log scale)")
 ax_w.set_title("Large matrices approach the ceiling")
-ax_w.legend(fontsize=8)
-ax_f.set_xlabel("matrix size n (black dots: multiples of 64)")
+ax_w.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0.0, -0.18), ncol=2)
+ax_f.set_xlabel("matrix size n (black dots: multiples of 8)")
 ax_f.set_ylabel(f"throughput relative to n = {n_mid}")
-ax_f.set_title(f"Near n = {n_mid}: multiples of 64 run fastest")
-ax_f.legend(fontsize=8)
+ax_f.set_title(f"Near n = {n_mid}: " + ("misaligned sizes run slower" if share["odd"] < 0.8 else "throughput by size"))
+ax_f.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 fig.suptitle(f"torch.matmul throughput on {gpu_name or 'this CPU'}")
 fig.tight_layout()
 
 # %%
-pick = [n for n in (fine_sizes[len(fine_sizes) // 2] + d for d in (-8, -1, 0, 1, 8)) if n in set(fine.n)]
-shapes = fine.set_index("n").loc[pick]
+pick = [n for n in (n_mid + d for d in (-8, -1, 0, 1, 8)) if n in f.index]
+shapes = f.loc[pick]
 shapes.index = [f"{n} (n % 64 = {n % 64}, n % 8 = {n % 8})" for n in pick]
-if prof.is_full and prof.on_gpu:
-    f = fine.set_index("n")
-    glue("tc_bf16_4096", f.loc[4096, "bf16"])
-    glue("tc_bf16_4095", f.loc[4095, "bf16"])
-    glue("tc_bf16_4097", f.loc[4097, "bf16"])
-    glue("tc_bf16_4088", f.loc[4088, "bf16"])
-    glue("tc_tf32_4096", f.loc[4096, "tf32"])
-    glue("tc_tf32_4095", f.loc[4095, "tf32"])
-    glue("tc_fp32_4096", f.loc[4096, "fp32"])
-    glue("tc_fp32_4095", f.loc[4095, "fp32"])
-    glue("tc_odd_share_bf16", (f.loc[f.index % 2 == 1, "bf16"].median() / f.loc[f.index % 64 == 0, "bf16"].median()))
-    for m in MODES:
-        glue(f"tc_{m}_max", wide[m].max())
-        glue(f"tc_{m}_peak", peaks[m])
-        glue(f"tc_{m}_frac", wide[m].max() / peaks[m])
 shapes
 
+# %% tags=["remove-input"]
+if prof.on_gpu:
+    lines = []
+    for m in MODES:
+        frac = wide[m].max() / peaks[m]
+        lines.append(f"{wide[m].max():,.1f} TFLOP/s in {m} against a datasheet peak of {peaks[m]:,.1f} ({frac:.0%})"
+                     if pd.notna(peaks[m]) else f"{wide[m].max():,.1f} TFLOP/s in {m} (no datasheet peak in the table)")
+    display(Markdown(
+        "The wide sweep shows the ramp: small matrices leave most of the GPU idle, and throughput climbs until the "
+        "matrices fill every streaming multiprocessor. The best measured throughput was " + "; ".join(lines) + ". "
+        "The datasheet numbers assume the boost clock and no memory traffic; a real GEMM's ceiling is lower, and this "
+        "measured ceiling, not the datasheet, is the honest denominator for a utilisation figure (chapter 8 uses both)."
+    ))
+    m8, odd = share["mult8"], share["odd"]
+    text = (f"The fine sweep is the lesson of this section. In {top}, n = {n_mid} ran at {f.loc[n_mid, top]:.0f} "
+            f"TFLOP/s, n = {n_mid - 1} at {f.loc[n_mid - 1, top]:.0f} and n = {n_mid + 1} at "
+            f"{f.loc[n_mid + 1, top]:.0f}; n = {n_mid - 8}, a multiple of 8 but not of 64, at "
+            f"{f.loc[n_mid - 8, top]:.0f}. Over the whole range, odd sizes reached {odd:.0%} of the median throughput "
+            f"of the multiples of 64, and multiples of 8 that are not multiples of 64 reached {m8:.0%}. ")
+    if m8 >= 0.9 and odd < 0.8:
+        text += ("So the rule the data support is alignment: a multiple of 8 recovers nearly all of the speed, and "
+                 "the step from 8 to 64 is worth a few percent at most. ")
+    elif m8 < 0.9:
+        text += "On this GPU even multiples of 8 fall clearly short of multiples of 64, so padding further pays. "
+    if "tf32" in MODES:
+        text += (f"TF32 shows the same pattern ({f.loc[n_mid, 'tf32']:.0f} against {f.loc[n_mid - 1, 'tf32']:.0f} "
+                 f"TFLOP/s at n = {n_mid - 1}); ")
+    text += (f"plain fp32, which does not use tensor cores, cares less ({f.loc[n_mid, 'fp32']:.1f} against "
+             f"{f.loc[n_mid - 1, 'fp32']:.1f}).")
+    display(Markdown(text))
+else:
+    print("skipped on CPU: tensor-core alignment effects need a GPU (the CPU sweep is fp32 only)")
 
 # %% [markdown]
-# The wide sweep shows the ramp: small matrices leave most of the GPU idle, and throughput climbs until the
-# matrices fill every streaming multiprocessor. The best measured throughput was {glue:text}`tc_bf16_max:.0f`
-# TFLOP/s in bf16 against a datasheet peak of {glue:text}`tc_bf16_peak:.0f` ({glue:text}`tc_bf16_frac:.0%`),
-# {glue:text}`tc_tf32_max:.0f` TFLOP/s in TF32 (datasheet {glue:text}`tc_tf32_peak:.0f`,
-# {glue:text}`tc_tf32_frac:.0%`) and {glue:text}`tc_fp32_max:.1f` TFLOP/s in plain fp32 (datasheet
-# {glue:text}`tc_fp32_peak:.1f`, {glue:text}`tc_fp32_frac:.0%`). The datasheet numbers assume the boost clock and
-# no memory traffic; a real GEMM's ceiling is lower, and this measured ceiling, not the datasheet, is the honest
-# denominator for a utilisation figure (chapter 8 uses both).
-#
-# The fine sweep is the lesson of this section. In bf16, $n = 4096$ ran at {glue:text}`tc_bf16_4096:.0f` TFLOP/s,
-# $n = 4095$ at {glue:text}`tc_bf16_4095:.0f` and $n = 4097$ at {glue:text}`tc_bf16_4097:.0f`; $n = 4088$, a
-# multiple of 8 but not of 64, at {glue:text}`tc_bf16_4088:.0f`. Over the whole range, odd sizes reached
-# {glue:text}`tc_odd_share_bf16:.0%` of the median throughput of the multiples of 64. TF32 shows the same pattern
-# ({glue:text}`tc_tf32_4096:.0f` against {glue:text}`tc_tf32_4095:.0f` TFLOP/s); plain fp32, which does not use
-# tensor cores, barely cares ({glue:text}`tc_fp32_4096:.1f` against {glue:text}`tc_fp32_4095:.1f`).
-#
-# **The practical rule: pad to multiples of 64.** In a transformer the dimensions that are free to choose are the
-# hidden size (always a nice number in published models) and the vocabulary, which comes from a tokenizer:
+# **The practical rule: pad to a multiple of 8 at least.** In a transformer the dimensions that are free to choose
+# are the hidden size (always a nice number in published models) and the vocabulary, which comes from a tokenizer:
 # bert-large has 30,522 tokens. The LM head, a `hidden x vocab` matrix product over every token of the batch, is
-# one of the largest GEMMs of a language model. We time its forward and backward pass in bf16 for a batch of tokens
-# at several vocabulary sizes: bert's 30,522, the same padded to 30,528 (the next multiple of 64), polyglot-ko's
-# 30,080 (a multiple of 128, chosen by its authors) and neighbours of each.
+# one of the largest GEMMs of a language model. We time its forward and backward pass in 16 bits for a batch of
+# tokens at several vocabulary sizes: bert's 30,522, the same padded to 30,528 (the next multiple of 64) and to
+# 30,536 (a multiple of 8 that is not one of 64), polyglot-ko's 30,080 (a multiple of 128, chosen by its authors)
+# and neighbours of each.
 
 # %%
 def lm_head_tflops(vocab, hidden, tokens, dtype):
-    """Forward + backward TFLOP/s of an LM head (hidden -> vocab) over `tokens` tokens."""
+    """Forward + backward TFLOP/s of an LM head (hidden -> vocab) over `tokens` tokens (median of 10 repeats)."""
     head = torch.nn.Linear(hidden, vocab, bias=False, device=dev, dtype=dtype)
     x = torch.randn(tokens, hidden, device=dev, dtype=dtype, requires_grad=True)
     grad_out = torch.randn(tokens, vocab, device=dev, dtype=dtype)
@@ -781,30 +1040,34 @@ def lm_head_tflops(vocab, hidden, tokens, dtype):
         head(x).backward(grad_out)
         head.weight.grad = x.grad = None
 
-    timing = measure.time_fn(fwd_bwd, device=dev, warmup=2, repeat=5)
-    return {"vocab": vocab, "vocab % 64": vocab % 64, "time (ms)": timing.median_s * 1e3,
-            "TFLOP/s": 3 * 2 * tokens * hidden * vocab / timing.median_s / 1e12}
+    t = timing.time_it(fwd_bwd, device=dev, warmup=2, repeat=10, busy=False)
+    return {"vocab": vocab, "vocab % 64": vocab % 64, "vocab % 8": vocab % 8, "time (ms)": t.wall.median * 1e3,
+            "IQR (ms)": t.wall.iqr * 1e3, "TFLOP/s": 3 * 2 * tokens * hidden * vocab / t.wall.median / 1e12}
 
 
 head_hidden, head_tokens = prof.pick(tiny=128, full=2048), prof.pick(tiny=64, full=8192)
-head_dtype = torch.bfloat16 if prof.on_gpu else torch.float32
-vocabs = [30079, 30080, 30521, 30522, 30528, 32000]
+head_dtype = AMP if prof.on_gpu else torch.float32
+vocabs = [30079, 30080, 30521, 30522, 30528, 30536, 32000]
 lm_head = pd.DataFrame([lm_head_tflops(v, head_hidden, head_tokens, head_dtype) for v in vocabs]).set_index("vocab")
-if prof.is_full and prof.on_gpu:
-    glue("vh_30522_ms", lm_head.loc[30522, "time (ms)"])
-    glue("vh_30528_ms", lm_head.loc[30528, "time (ms)"])
-    glue("vh_30522_tf", lm_head.loc[30522, "TFLOP/s"])
-    glue("vh_30528_tf", lm_head.loc[30528, "TFLOP/s"])
-    glue("vh_speedup", lm_head.loc[30522, "time (ms)"] / lm_head.loc[30528, "time (ms)"])
-    glue("vh_tokens", head_tokens)
 lm_head
 
-# %% [markdown]
-# Over {glue:text}`vh_tokens:,` tokens with hidden size 2048, bert's vocabulary of 30,522 took
-# {glue:text}`vh_30522_ms:.2f` ms ({glue:text}`vh_30522_tf:.0f` TFLOP/s); padded with six unused rows to 30,528 it
-# took {glue:text}`vh_30528_ms:.2f` ms ({glue:text}`vh_30528_tf:.0f` TFLOP/s): {glue:text}`vh_speedup:.2f` times
-# the speed, for 0.02% more parameters. transformers does the padding in one call; the extra rows are tokens the
-# tokenizer never produces:
+# %% tags=["remove-input"]
+if prof.on_gpu:
+    lh = lm_head
+    x64 = lh.loc[30522, "time (ms)"] / lh.loc[30528, "time (ms)"]
+    x8 = lh.loc[30522, "time (ms)"] / lh.loc[30536, "time (ms)"]
+    text = (f"Over {head_tokens:,} tokens with hidden size {head_hidden} in {AMP_NAME}, bert's vocabulary of 30,522 "
+            f"took {lh.loc[30522, 'time (ms)']:.2f} ms ({lh.loc[30522, 'TFLOP/s']:.0f} TFLOP/s); padded with six "
+            f"unused rows to 30,528 it took {lh.loc[30528, 'time (ms)']:.2f} ms ({lh.loc[30528, 'TFLOP/s']:.0f} "
+            f"TFLOP/s), {x64:.2f} times the speed for 0.02% more parameters, and padded to 30,536, a multiple of 8 "
+            f"only, {lh.loc[30536, 'time (ms)']:.2f} ms ({x8:.2f} times). ")
+    text += ("A multiple of 8 is as good as a multiple of 64 here, within a few percent. " if abs(x64 / x8 - 1) < 0.05
+             else f"Here the multiple of 64 is {x64 / x8:.2f} times as fast as the multiple of 8. ")
+    text += ("transformers does the padding in one call; the extra rows are tokens the tokenizer never produces "
+             "(64 is the common choice, and more than the alignment needs):")
+    display(Markdown(text))
+else:
+    print("skipped on CPU: the padding speed-up needs tensor cores")
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -820,21 +1083,22 @@ freed = cleanup.free(globals(), "small_bert")
 # %% [markdown]
 # ## 5.6 Two more knobs: emptying the cache, pinned memory
 #
-# The seeds' table of single-GPU techniques lists two more that are quick to try.
+# The Hugging Face guide's table of single-GPU techniques lists two more that are quick to try.
 #
 # **`torch_empty_cache_steps`** makes the Trainer call `torch.cuda.empty_cache()` every $N$ steps, after the
 # forward pass. PyTorch's caching allocator keeps freed blocks for reuse (the gap between *reserved* and
 # *allocated*, chapter 1); emptying the cache returns them to the driver, which lowers what NVML sees and can undo
 # fragmentation, at the price of fresh `cudaMalloc` calls afterwards. The Trainer's documentation promises a lower
-# peak "at a cost of about 10% slower performance". We train bert-large with the seeds' Trainer setup (fp32, batch
-# 4, 512 tokens) with and without it, timing each step with a callback and reading the allocator's peaks.
+# peak "at a cost of about 10% slower performance". We train bert-large with the guide's Trainer setup (fp32, batch
+# 4, 512 tokens) with and without it, timing each step with a callback (the device synchronised at both ends, 30
+# steps, the first three left out) and reading the allocator's peaks.
 
 # %%
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 
 class StepClock(TrainerCallback):
-    """Median step time, with the device synchronised at both ends of every step."""
+    """Step times, with the device synchronised at both ends of every step."""
 
     def __init__(self):
         self.times = []
@@ -861,7 +1125,9 @@ for every in (None, 1):
     )
     measure.reset_peak(dev)
     Trainer(model=model, args=args, train_dataset=ds_dummy, callbacks=[clock]).train()
-    row = {"torch_empty_cache_steps": str(every), "step (ms)": 1e3 * pd.Series(clock.times[3:]).median()}
+    steps_ms = 1e3 * pd.Series(clock.times[3:])
+    row = {"torch_empty_cache_steps": str(every), "step (ms)": steps_ms.median(),
+           "step IQR (ms)": steps_ms.quantile(0.75) - steps_ms.quantile(0.25), "steps timed": len(steps_ms)}
     if prof.on_gpu:
         row["peak allocated (GiB)"] = torch.cuda.max_memory_allocated() / GIB
         row["peak reserved (GiB)"] = torch.cuda.max_memory_reserved() / GIB
@@ -869,26 +1135,31 @@ for every in (None, 1):
     del model
     cleanup.free(globals())
 empty_cache = pd.DataFrame(ec_rows).set_index("torch_empty_cache_steps")
-if prof.is_full and prof.on_gpu:
-    glue("ec_slowdown", empty_cache["step (ms)"].iloc[1] / empty_cache["step (ms)"].iloc[0] - 1)
-    glue("ec_reserved_none", empty_cache["peak reserved (GiB)"].iloc[0])
-    glue("ec_reserved_1", empty_cache["peak reserved (GiB)"].iloc[1])
-    glue("ec_alloc_none", empty_cache["peak allocated (GiB)"].iloc[0])
-    glue("ec_alloc_1", empty_cache["peak allocated (GiB)"].iloc[1])
 empty_cache
 
+# %% tags=["remove-input"]
+if prof.on_gpu:
+    ec = empty_cache
+    change = ec["step (ms)"].iloc[1] / ec["step (ms)"].iloc[0] - 1
+    noisy = abs(ec["step (ms)"].iloc[1] - ec["step (ms)"].iloc[0]) <= ec["step IQR (ms)"].max()
+    display(Markdown(
+        f"Emptying the cache every step changed the median step time by {change:+.0%} "
+        + ("(within the noise: the difference is smaller than the steps' IQR) " if noisy else "")
+        + f"and the peak *reserved* memory from {ec['peak reserved (GiB)'].iloc[0]:.2f} GiB to "
+        f"{ec['peak reserved (GiB)'].iloc[1]:.2f} GiB; the peak *allocated* memory, the tensors themselves, was "
+        f"{ec['peak allocated (GiB)'].iloc[0]:.2f} and {ec['peak allocated (GiB)'].iloc[1]:.2f} GiB. It cannot shrink "
+        f"what a step needs, only the allocator's slack around it. Reach for it when the reserved memory keeps "
+        f"growing (variable sequence lengths fragment the cache), or when another process must share the GPU."
+    ))
+else:
+    print("skipped on CPU: the allocator's peaks and the cost of cudaMalloc need a GPU")
+
 # %% [markdown]
-# Emptying the cache every step changed the step time by {glue:text}`ec_slowdown:+.0%` and the peak *reserved*
-# memory from {glue:text}`ec_reserved_none:.2f` GiB to {glue:text}`ec_reserved_1:.2f` GiB; the peak *allocated*
-# memory, the tensors themselves, stayed at {glue:text}`ec_alloc_none:.2f` and {glue:text}`ec_alloc_1:.2f` GiB. It
-# cannot shrink what a step needs, only the allocator's slack around it. Reach for it when the reserved memory
-# keeps growing (variable sequence lengths fragment the cache), or when another process must share the GPU.
-#
 # **Pinned memory.** A batch travels from the CPU's memory to the GPU by DMA, which needs page-locked ("pinned")
 # host memory. From ordinary pageable memory, the driver first copies the data into a pinned staging buffer, and the
 # copy cannot overlap with computation. `DataLoader(pin_memory=True)` (the Trainer's `dataloader_pin_memory`, on by
 # default) allocates batches in pinned memory; `tensor.to("cuda", non_blocking=True)` then returns at once and
-# overlaps the copy with GPU work. The bandwidth of one 256 MiB copy:
+# overlaps the copy with GPU work. The bandwidth of one 256 MiB copy (median of ten):
 
 # %%
 if profiles.cuda_or_skip("host-to-GPU copies need a GPU"):
@@ -896,45 +1167,62 @@ if profiles.cuda_or_skip("host-to-GPU copies need a GPU"):
     pinned = host.pin_memory()
     copy_gib_s = {}
     for name, src, non_blocking in (("pageable", host, False), ("pinned", pinned, True)):
-        t = measure.time_fn(lambda src=src, nb=non_blocking: src.to(dev, non_blocking=nb), device=dev, warmup=2, repeat=5)
-        copy_gib_s[name] = host.numel() * 4 / GIB / t.median_s
-    glue("pin_pageable", copy_gib_s["pageable"])
-    glue("pin_pinned", copy_gib_s["pinned"])
-    display(pd.Series(copy_gib_s, name="host-to-GPU copy (GiB/s)"))
+        t = timing.time_it(lambda src=src, nb=non_blocking: src.to(dev, non_blocking=nb), device=dev, warmup=2,
+                           repeat=10, busy=False)
+        copy_gib_s[name] = host.numel() * 4 / GIB / t.wall.median
     cleanup.free(globals(), "host", "pinned")
+    display(pd.Series(copy_gib_s, name="host-to-GPU copy (GiB/s)"))
 
-# %% [markdown]
-# Pinned memory copied at {glue:text}`pin_pinned:.1f` GiB/s, pageable at {glue:text}`pin_pageable:.1f` GiB/s. A
-# batch of token ids is tiny (4 x 512 int64 values are 16 KiB), so for the models of this book the copy is never
-# the bottleneck; the preparation of the data can be. `dataloader_num_workers` lets worker processes prepare the
-# next batches while the GPU computes. Chapter 9 measures data loading properly.
+# %% tags=["remove-input"]
+if prof.on_gpu:
+    display(Markdown(
+        f"Pinned memory copied at {copy_gib_s['pinned']:.1f} GiB/s, pageable at {copy_gib_s['pageable']:.1f} GiB/s. "
+        f"A batch of token ids is tiny (4 x 512 int64 values are 16 KiB), so for the models of this book the copy is "
+        f"never the bottleneck; the preparation of the data can be. `dataloader_num_workers` lets worker processes "
+        f"prepare the next batches while the GPU computes."
+    ))
+else:
+    print("skipped on CPU: copy bandwidths need a GPU")
 
 # %% [markdown]
 # ## Summary
 #
-# The closing tables: the four precisions on bert-large, and the optimizers.
+# The closing tables: the precisions on bert-large (the training batch's step), and the optimizers.
 
 # %%
 display(mp[["step (ms)", "samples/s", "peak allocated (GiB)", "saved for backward (GiB)", "loss, last 10 steps"]])
 optim_table[[c for c in optim_table.columns if c in ("state (bytes/param)", "optimizer.step (ms)", "peak allocated (GiB)", "Trainer optim=")]]
 
 # %% [markdown]
-# - Autocast runs matrix products in 16 bits and keeps weights, gradients and optimizer states in fp32: 16
-#   persistent bytes per parameter in every recipe. The 18-byte rule adds the 16-bit weight copies, which live
-#   only from the forward pass to the backward pass. All four precisions learned the task alike. On this short
-#   workload (1,024 tokens per step) bf16 autocast ran at {glue:text}`mp_bf16_speedup:.1f` times fp32's speed and
-#   TF32 at {glue:text}`mp_tf32_speedup:.1f` times: autocast pays off where the matrix products are large.
-# - fp16 needs loss scaling: without it, {glue:text}`ls_lost_noscale:.2f`% of bert-large's gradients vanished.
-#   bf16 has fp32's range and needs none.
-# - Mixed precision does not always save memory: when gradients are alive during the forward pass (gradient
-#   accumulation), the weight copies cost more than the halved activations save at small batches.
-# - Optimizer states per parameter: AdamW {glue:text}`opt_fused_bpp:.1f` bytes, SGD with momentum
-#   {glue:text}`opt_sgd_bpp:.1f`, Adafactor {glue:text}`opt_adafactor_bpp:.3f`, 8-bit AdamW
-#   {glue:text}`opt_bnb8_bpp:.2f`; a paged optimizer's states are outside PyTorch's allocator.
-# - Tensor cores want dimensions that are multiples of 64: bf16 at $n = 4095$ ran at
-#   {glue:text}`tc_bf16_4095:.0f` TFLOP/s against {glue:text}`tc_bf16_4096:.0f` at 4096, and padding bert's
-#   vocabulary to 30,528 ran its LM head at {glue:text}`vh_speedup:.2f` times the speed.
-#
+# - Autocast runs matrix products in 16 bits, weight gradients included, and keeps weights, gradients and
+#   optimizer states in fp32: 16 persistent bytes per parameter in every recipe. The 18-byte rule adds the 16-bit
+#   weight copies, which live only from the forward pass to the backward pass.
+# - A small step is host-bound: its time is the CPU's time to issue kernels, and autocast's extra operators can
+#   make it slower. Mixed precision and TF32 pay off where the matrix products keep the GPU busy; section 5.1
+#   measured both sizes.
+# - fp16 needs loss scaling: without it, the gradients below $2^{-25}$ round to zero. bf16 has fp32's range and
+#   needs none, but needs a GPU of compute capability 8.0 or newer.
+# - Mixed precision does not always save memory: autocast's activations are not half of fp32's (layer-norm inputs,
+#   the residual stream and the loss stay fp32), and when gradients are alive during the forward pass (gradient
+#   accumulation) the weight copies can cost more than the smaller activations save.
+# - Optimizer states per parameter: AdamW 8 bytes, SGD with momentum 4, Adafactor almost none, 8-bit AdamW about
+#   2; a paged optimizer's large states are outside PyTorch's allocator.
+# - Tensor cores want aligned dimensions: odd sizes lose most of the speed, multiples of 8 recover nearly all of it
+#   (section 5.5 has this GPU's numbers), and padding a vocabulary is one call.
+
+# %% tags=["remove-input"]
+if prof.on_gpu:
+    parts = [f"{HALF} autocast ran at {mp.loc[HALF, 'speed-up vs fp32']:.2f} times fp32's speed at "
+             f"{kw_batch * kw_seq:,} tokens per step ({cmp_small[HALF]['difference']})"]
+    if cmp_big is not None:
+        parts.append(f"at {cmp_big[HALF]['speed-up']:.1f} times at {big_batch * big_seq:,} tokens "
+                     f"({cmp_big[HALF]['difference']})")
+    display(Markdown(f"In this run, {' and '.join(parts)}; without loss scaling, {scaling.iloc[0, 0]:.3f}% of "
+                     f"bert-large's gradients vanished."))
+else:
+    print("skipped on CPU: the speed-ups need a GPU")
+
+# %% [markdown]
 # ## Use it in your own script
 #
 # Mixed precision, TF32 and a fused optimizer in a plain training step; bf16 where the GPU has it (compute
@@ -943,8 +1231,8 @@ optim_table[[c for c in optim_table.columns if c in ("state (bytes/param)", "opt
 # ```python
 # import torch
 #
-# torch.backends.cuda.matmul.allow_tf32 = True           # fp32 matrix products on tensor cores
-# dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+# torch.backends.cuda.matmul.allow_tf32 = True           # fp32 matrix products on tensor cores (cc >= 8.0)
+# dtype = torch.bfloat16 if torch.cuda.get_device_capability() >= (8, 0) else torch.float16
 # scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
 # optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5, fused=True)
 # with torch.autocast("cuda", dtype=dtype):
@@ -953,7 +1241,7 @@ optim_table[[c for c in optim_table.columns if c in ("state (bytes/param)", "opt
 # scaler.step(optimizer)
 # scaler.update()
 # optimizer.zero_grad(set_to_none=True)
-# # shapes: tokenizer(..., pad_to_multiple_of=64); model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
+# # shapes: tokenizer(..., pad_to_multiple_of=8); model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
 # ```
 #
 # ## Exercises
@@ -987,12 +1275,12 @@ optim_table[[c for c in optim_table.columns if c in ("state (bytes/param)", "opt
 #
 #    <details><summary>Answer</summary>
 #
-#    No step is skipped: at scale 1 nothing overflows, but the gradients below fp16's range (the share measured in section 5.2) are lost, exactly as with `enabled=False`. Both loss curves stay close to the scaled run on this short task; the loss of gradients shows up as noise more than as divergence.
+#    No step is skipped: at scale 1 nothing overflows, but the gradients that round to zero in fp16 (the share measured in section 5.2) are lost, exactly as with `enabled=False`. Both loss curves stay close to the scaled run on this short task; the loss of gradients shows up as noise more than as divergence.
 #
 #    </details>
 #
-# 3. Change `head_hidden` in section 5.5 from 2048 to 2047 and to 2112 (a multiple of 64). Which matters more
-#    for the LM head, the hidden size or the vocabulary?
+# 3. Change `head_hidden` in section 5.5 from 2048 to 2047 and to 2056 (a multiple of 8, not of 64). Which matters
+#    more for the LM head, the hidden size or the vocabulary?
 #
 #    <details><summary>Hint</summary>
 #
@@ -1002,7 +1290,7 @@ optim_table[[c for c in optim_table.columns if c in ("state (bytes/param)", "opt
 #
 #    <details><summary>Answer</summary>
 #
-#    Both matter: 2047 misaligns every tile along the reduction and costs about as much as the unpadded vocabulary; 2112 runs at full speed. The measured ratios of section 5.5's table are the reference.
+#    Both matter: 2047 misaligns every row along the reduction and costs about as much as the unpadded vocabulary; 2056 runs close to full speed, like the multiple-of-8 vocabulary. The measured ratios of section 5.5's table are the reference.
 #
 #    </details>
 #
@@ -1023,10 +1311,32 @@ optim_table[[c for c in optim_table.columns if c in ("state (bytes/param)", "opt
 #
 # ## References
 #
-# - {cite:t}`micikevicius2018mixed`: mixed-precision training, fp32 master weights and loss scaling.
-# - {cite:t}`kalamkar2019bfloat16`: bf16 for training.
-# - {cite:t}`dettmers2022optimizers`: 8-bit optimizers with block-wise quantization.
-# - {cite:t}`shazeer2018adafactor`: Adafactor's factored second moments.
-# - {cite:t}`nvidia_matmul_guide`: tiles, tensor cores and dimension rules for GEMMs.
-# - {cite:t}`hf_training_anatomy` and {cite:t}`hf_perf_train_gpu_one`: the 16/18-byte rules, the optimizer
-#   rules and the table of single-GPU techniques the seed notes follow.
+# - Micikevicius et al. (2018): mixed-precision training, fp32 master weights and loss scaling.
+# - Kalamkar et al. (2019): bf16 for training.
+# - Dettmers et al. (2022): 8-bit optimizers with block-wise quantization.
+# - Shazeer and Stern (2018): Adafactor's factored second moments.
+# - NVIDIA, *Matrix Multiplication Background User's Guide*: tiles, tensor cores and dimension rules for GEMMs.
+# - Hugging Face, *Model training anatomy* and *Efficient training on a single GPU*: the 16/18-byte rules, the
+#   optimizer rules and the table of single-GPU techniques this chapter follows.
+#
+# All the works the book cites are on the [references page](../book/references.md).
+
+# %% [markdown]
+# Every experiment freed what it made. cuBLAS keeps a workspace for each handle and stream on which it ran a matrix
+# product (chapter 8); we release them, and check that the chapter ends where it began:
+
+# %%
+freed = cleanup.free(globals(), "tiny_input", "batch")
+if prof.on_gpu:
+    torch._C._cuda_clearCublasWorkspaces()  # PyTorch's own (private) call for this
+    cleanup.collect()
+    end_mib = torch.cuda.memory_allocated() / MIB
+    print(f"allocated at the start: {baseline_mib:,.2f} MiB; at the end: {end_mib:,.2f} MiB")
+    if end_mib > baseline_mib + 0.01:  # name what is still alive before failing
+        import gc
+
+        live = [(tuple(t.shape), str(t.dtype)) for t in gc.get_objects() if torch.is_tensor(t) and t.is_cuda]
+        print(f"CUDA tensors Python still holds: {live[:20]}")
+    assert end_mib <= baseline_mib + 0.01, f"{end_mib - baseline_mib:.2f} MiB still allocated: something leaked"
+else:
+    print("skipped on CPU: no GPU memory to check")

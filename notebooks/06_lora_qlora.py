@@ -18,25 +18,28 @@
 #
 # Full fine-tuning of the 1.3-billion-parameter GPT-NeoX of chapter 1 with fp32 AdamW keeps 16 bytes per parameter
 # of model states: about 20 GiB before a single activation, more than a 15 GB T4 holds. Low-rank adaptation (LoRA,
-# {cite:t}`hu2022lora`) freezes the model and trains a few million new parameters beside it; QLoRA
-# ({cite:t}`dettmers2023qlora`) also stores the frozen model in 4 bits. This chapter writes a LoRA layer by hand,
-# checks it against the `peft` library, and measures what the two methods save, what they cost, and whether the
-# model still learns.
+# [Hu et al. (2022)](../book/references.md)) freezes the model and trains a few million new parameters beside it;
+# QLoRA ([Dettmers et al. (2023)](../book/references.md)) also stores the frozen model in 4 bits. This chapter
+# writes a LoRA layer by hand, checks it against the `peft` library, and measures what the two methods save, what
+# they cost, and whether the model still learns.
 #
 # **What you will learn**
 #
 # - what a LoRA layer computes, and why the adapted model starts out identical to the base model;
 # - how many parameters LoRA trains: $r\,(d_\text{in} + d_\text{out})$ per adapted layer, checked;
-# - how `peft`'s `LoraConfig`, `merge_and_unload` and adapter checkpoints relate to the hand-written layer;
+# - how `peft`'s `LoraConfig`, `merge_and_unload`, rank-stabilised scaling and adapter checkpoints relate to the
+#   hand-written layer;
 # - the peak memory and step time of full fine-tuning, LoRA and QLoRA on the 1.3B model, as a breakdown, and
-#   which of them fit a T4;
+#   which of them fit a T4; what the 4-bit base and the 8-bit optimizer each contribute;
 # - what the LoRA rank costs, and whether LoRA and QLoRA learn as well as full fine-tuning on a learnable task;
 # - the headline numbers of both papers, recomputed from byte counts.
 #
 # **Prerequisites:** [chapter 1](01_memory_anatomy.ipynb) (memory components) and
 # [chapter 5](05_mixed_precision_optimizers.ipynb) (mixed precision, 8-bit and paged optimizers). Chapter 2 explains
-# block-wise quantization and the NF4 format that QLoRA uses. On a CPU this notebook runs a tiny GPT-NeoX; the numbers
-# in the text come from the full-size run on the GPU named in the first output below.
+# block-wise quantization and the NF4 format that QLoRA uses; [chapter 8](08_profiling.ipynb) the timing method.
+# Every sentence that quotes a number is computed from this notebook's own run, on the machine named in the first
+# output below. On a CPU this notebook runs a tiny GPT-NeoX and skips the GPU-only measurements, saying so; on a
+# GPU without bf16 tensor cores (compute capability below 8.0, such as Colab's T4) the 16-bit parts run in fp16.
 
 # %%
 import sys
@@ -77,6 +80,25 @@ dev = prof.device
 nvml_before_cuda = measure.nvml_used_mib() if prof.on_gpu else None  # section 6.3 needs the CUDA context's size
 env.report(prof)
 
+# %% [markdown]
+# The first cell that touches the GPU notes what PyTorch has allocated before any experiment, so that the last
+# cell can check that the chapter gave everything back, and picks the 16-bit type: bf16 where the GPU's tensor cores
+# support it (compute capability 8.0 and newer, and on a CPU), fp16 on older GPUs such as the T4.
+
+# %%
+from IPython.display import Markdown, display
+
+from helpers import timing
+
+cap = profiles.capability()  # None on a CPU
+AMP = profiles.amp_dtype()
+AMP_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16"}[AMP]
+baseline_mib = torch.cuda.memory_allocated() / MIB if prof.on_gpu else 0.0
+if cap is not None:
+    print(f"{cap.name}: compute capability {cap.major}.{cap.minor}; the base models and autocast use {AMP_NAME}")
+else:
+    print(f"CPU run: a tiny GPT-NeoX; the base models and autocast use {AMP_NAME}")
+
 
 # %% [markdown]
 # ## 6.1 LoRA by hand
@@ -89,9 +111,12 @@ env.report(prof)
 # $$ h = W x + \frac{\alpha}{r}\, B A\, x . $$
 #
 # $A$ starts random and $B$ starts at zero, so $\Delta W = 0$ and the adapted model computes exactly what the base
-# model computes until the first update. The factor $\alpha / r$ keeps the size of the update roughly independent of
-# the rank, so a learning rate found for one $r$ carries over to another. Dropout on the adapter's input regularises
-# it. The layer, written out, with the adapter in fp32 whatever the base's dtype (trainable weights stay in fp32, the
+# model computes until the first update. Hu et al. chose the factor $\alpha / r$ so that changing $r$ needs little
+# retuning of $\alpha$. [Kalajdzievski (2023)](../book/references.md) showed that it overcorrects: with
+# $\alpha / r$ the updates shrink as $r$ grows, and learning at large ranks slows down until a larger rank brings
+# no gain. His *rank-stabilised* LoRA (rsLoRA) scales by $\alpha / \sqrt{r}$ instead, which keeps the updates'
+# size independent of the rank; peft offers it as `LoraConfig(use_rslora=True)` (section 6.2 checks the factor).
+# Dropout on the adapter's input regularises it. The layer, written out, with the adapter in fp32 whatever the base's dtype (trainable weights stay in fp32, the
 # rule of mixed precision):
 
 # %%
@@ -127,7 +152,7 @@ def add_lora(model, targets, r, alpha, dropout=0.0):
 
 
 # %% [markdown]
-# The model is the polyglot-ko-1.3b-shaped GPT-NeoX of chapter 1, in bf16. Before we change it, we save it as a
+# The model is the polyglot-ko-1.3b-shaped GPT-NeoX of chapter 1, in bf16 (fp16 on a GPU without bf16). Before we change it, we save it as a
 # local checkpoint (section 6.3 loads it back in 4 bits, and 6.2 compares checkpoint sizes). In each of its 24
 # layers, attention has two projections: `query_key_value` ($d \to 3d$, the three projections fused) and `dense`
 # ($d \to d$, the output). We adapt both with $r = 8$, $\alpha = 16$.
@@ -138,7 +163,7 @@ lm_seq, lm_batch = prof.pick(tiny=64, full=256), 4
 ds_lm = data.markov_lm_dataset(lm_batch * 100, lm_seq, seed=0)
 check = {k: v.to(dev) for k, v in ds_lm[:2].items()}
 
-model = models.build("polyglot-ko-1.3b", head="causal-lm", dtype=torch.bfloat16, seed=0).eval()
+model = models.build("polyglot-ko-1.3b", head="causal-lm", dtype=AMP, seed=0).eval()
 n_base = models.n_params(model)
 cfg = model.config
 ckpt_dir = models.save_checkpoint(model, "ckpt_ch6/base-bf16")
@@ -161,24 +186,22 @@ lora_counts = pd.Series({
     "trainable parameters": f"{trainable:,}", "by formula: sum of r (d_in + d_out)": f"{by_formula:,}",
     "trainable share": f"{100 * trainable / n_base:.3f} %",
 })
-if prof.is_full:
-    glue("lora_trainable", trainable)
-    glue("lora_adapted", len(adapted))
-    glue("lora_share_pct", 100 * trainable / n_base)
-    glue("base_params_b", n_base / 1e9)
+glue("lora_trainable", trainable)
 lora_counts
 
-# %% [markdown]
-# Both assertions passed: the adapted model's logits equal the base model's bit for bit, and the trainable count is
-# exactly $r\,(d_\text{in} + d_\text{out})$ summed over the {glue:text}`lora_adapted` adapted layers,
-# $24 \cdot r \cdot 6d$ here: {glue:text}`lora_trainable:,` parameters, {glue:text}`lora_share_pct:.2f`% of the
-# {glue:text}`base_params_b:.2f` billion. One training step shows what moves:
+# %% tags=["remove-input"]
+display(Markdown(
+    f"Both assertions passed: the adapted model's logits equal the base model's bit for bit, and the trainable count "
+    f"is exactly r (d_in + d_out) summed over the {len(adapted)} adapted layers, "
+    f"{n_layers} · r · 6d here: {trainable:,} parameters, {100 * trainable / n_base:.2f}% of the "
+    f"{n_base / 1e9:.2f} billion. One training step shows what moves:"
+))
 
 # %%
 w_before = adapted[0].base.weight.detach().clone()
 optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
 model.train()
-with torch.autocast(dev, dtype=torch.bfloat16):
+with torch.autocast(dev, dtype=AMP):
     loss = model(**check).loss
 loss.backward()
 optimizer.step()
@@ -240,6 +263,34 @@ print(f"peft trains {trainable_peft:,} of {total_peft:,} parameters, as many as 
       "its adapted layer equals LoRALinear (rtol = atol = 1e-6)")
 
 # %% [markdown]
+# **$\alpha / r$ or $\alpha / \sqrt{r}$.** peft stores each adapted layer's factor in `scaling`. With the default
+# configuration it is $\alpha / r$, as in `LoRALinear`; with `use_rslora=True` it is rsLoRA's $\alpha / \sqrt{r}$.
+# On a small model (the factor does not depend on the model's size), for three ranks at $\alpha = 16$:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# (scaling factors of a configuration: identical on every machine; printed as text)
+rs_rows = {}
+for r in (8, 64, 256):
+    row = {}
+    for name, rslora in (("LoRA: alpha / r", False), ("rsLoRA: alpha / sqrt(r)", True)):
+        small = models.build("polyglot-ko-1.3b", profile="tiny", head="causal-lm", device="cpu")
+        cfg_r = LoraConfig(r=r, lora_alpha=ALPHA, target_modules=["dense"], use_rslora=rslora, task_type="CAUSAL_LM")
+        layer = next(m for m in get_peft_model(small, cfg_r).modules() if isinstance(m, LoraLayer))
+        row[name] = layer.scaling["default"]
+    assert math.isclose(row["LoRA: alpha / r"], ALPHA / r) and math.isclose(row["rsLoRA: alpha / sqrt(r)"], ALPHA / math.sqrt(r))
+    rs_rows[r] = row
+rs_table = pd.DataFrame(rs_rows).T.rename_axis("r")
+print(rs_table.round(3).to_string())
+freed = cleanup.free(globals(), "small", "layer")
+
+# %% [markdown]
+# At $r = 256$ the default factor is 0.06 and rsLoRA's 1.0: sixteen times apart. Both train the same parameters
+# and cost the same memory; what differs is how far a step of the optimizer moves the adapted layer. With $\alpha/r$,
+# a rank sweep such as section 6.3's compares ranks whose effective learning rates differ by the ratio of the
+# ranks' square roots, so it says little about what a larger rank could learn at its best learning rate.
+
+# %% [markdown]
 # **Merging.** After training, $W + \frac{\alpha}{r} B A$ is just another $d_\text{out} \times d_\text{in}$ matrix.
 # `merge_and_unload` computes it, writes it into the base layer and removes the adapters: the merged model has the
 # base model's size and speed, and its outputs must equal the adapter model's up to rounding. Before merging we save
@@ -260,15 +311,13 @@ torch.testing.assert_close(logits_merged, logits_adapter, rtol=1e-4, atol=1e-4 *
 moved = (logits_adapter - logits_base).abs().max().item()
 print(f"merged vs adapter model: max |difference| {merge_diff:.2e} (logits up to {logit_scale:.2f}; "
       f"tolerance rtol = 1e-4, atol = 1e-4 x {logit_scale:.2f}); the adapters moved the logits by up to {moved:.2f}")
-if prof.is_full:
-    glue("merge_diff", merge_diff)
-    glue("merge_moved", moved)
 
-
-# %% [markdown]
-# The merged model agrees with the adapter model to {glue:text}`merge_diff:.1e` in the logits, fp32 rounding of a
-# different order of operations, while the adapters themselves changed the logits by up to
-# {glue:text}`merge_moved:.2f`: the check would notice a wrong merge. On disk:
+# %% tags=["remove-input"]
+display(Markdown(
+    f"The merged model agrees with the adapter model to {merge_diff:.1e} in the logits, fp32 rounding of a different "
+    f"order of operations, while the adapters themselves changed the logits by up to {moved:.2f}: the check would "
+    f"notice a wrong merge. On disk:"
+))
 
 # %%
 def dir_bytes(path):
@@ -276,21 +325,19 @@ def dir_bytes(path):
 
 
 sizes = pd.Series({
-    "full checkpoint, bf16 (MiB)": dir_bytes(ckpt_dir) / MIB,
+    f"full checkpoint, {AMP_NAME} (MiB)": dir_bytes(ckpt_dir) / MIB,
     "LoRA adapter, fp32 (MiB)": dir_bytes(adapter_dir) / MIB,
     "adapter weights by formula: 4 bytes x trainable (MiB)": 4 * trainable / MIB,
 })
 sizes["full / adapter"] = sizes.iloc[0] / sizes.iloc[1]
-if prof.is_full:
-    glue("ckpt_full_mib", sizes.iloc[0])
-    glue("ckpt_adapter_mib", sizes.iloc[1])
-    glue("ckpt_ratio", sizes.iloc[3])
 sizes
 
-# %% [markdown]
-# The adapter is {glue:text}`ckpt_adapter_mib:.1f` MiB (its fp32 weights, a JSON config and a short README) against
-# {glue:text}`ckpt_full_mib:,.0f` MiB for the full model in bf16, {glue:text}`ckpt_ratio:,.0f` times smaller.
-# One base model can serve many tasks, each a small adapter loaded on top (`PeftModel.from_pretrained`).
+# %% tags=["remove-input"]
+display(Markdown(
+    f"The adapter is {sizes.iloc[1]:.1f} MiB (its fp32 weights, a JSON config and a short README) against "
+    f"{sizes.iloc[0]:,.0f} MiB for the full model in {AMP_NAME}, {sizes.iloc[3]:,.0f} times smaller. One base model "
+    f"can serve many tasks, each a small adapter loaded on top (`PeftModel.from_pretrained`)."
+))
 
 # %%
 freed = cleanup.free(globals(), "model", "peft_model", "merged", "peft_layer", "ours", "x",
@@ -301,27 +348,35 @@ if prof.on_gpu:
 # %% [markdown]
 # ## 6.3 Memory and speed: full fine-tuning, LoRA, QLoRA
 #
-# Four ways to train the 1.3B model, each for a few steps at batch 4 and 256 tokens (the LLM book's setting):
+# Five ways to train the 1.3B model, each for a few steps at batch 4 and 256 tokens (the setting of the Korean LLM
+# book's chapter 5):
 #
 # - **full fine-tuning, fp32**: every parameter trains, fp32 weights, AdamW (`fused=True`, the Trainer's default);
-# - **full fine-tuning, bf16 autocast**: the same with mixed precision (chapter 5);
-# - **LoRA**: the base in bf16, frozen; fp32 adapters with $r = 8$ on every linear layer of the 24 blocks (the two
-#   attention projections and the MLP's `dense_h_to_4h` and `dense_4h_to_h`), AdamW; bf16 autocast;
+# - **full fine-tuning, autocast**: the same with mixed precision (chapter 5);
+# - **LoRA**: the base in bf16 (fp16 without bf16 tensor cores), frozen; fp32 adapters with $r = 8$ on every linear
+#   layer of the 24 blocks (the two attention projections and the MLP's `dense_h_to_4h` and `dense_4h_to_h`), AdamW;
+#   autocast;
+# - **LoRA with the 8-bit optimizer**: the same, with QLoRA's optimizer (the paged 8-bit AdamW of bitsandbytes);
 # - **QLoRA**: the base loaded from the local checkpoint in 4-bit NF4 with double quantization through
-#   `BitsAndBytesConfig`, prepared with peft's `prepare_model_for_kbit_training`, the same adapters, the paged
-#   8-bit AdamW of bitsandbytes; bf16 autocast.
+#   `BitsAndBytesConfig`, prepared with peft's `prepare_model_for_kbit_training`, the same adapters and the same
+#   paged 8-bit AdamW; autocast.
+#
+# QLoRA differs from LoRA in two things, the 4-bit base and the 8-bit optimizer. The middle configuration changes
+# one at a time: against LoRA, only the optimizer; against QLoRA, only the base.
 #
 # Sections 6.1 and 6.2 adapted attention only, as the LoRA paper did for GPT-3. Here the adapters go on every linear
 # layer, as in the QLoRA paper, which found that adapting all of them is what it takes to match full fine-tuning
-# {cite:p}`dettmers2023qlora`. Per block that is $r\,(4d + 2d + 5d + 5d) = 16\,r\,d$ trainable parameters.
+# ([Dettmers et al. (2023)](../book/references.md)). Per block that is $r(4d + 2d + 5d + 5d) = 16rd$ trainable
+# parameters.
 #
 # `prepare_model_for_kbit_training` freezes the base and casts the parameters that are not quantized (embeddings,
 # LM head, layer norms) to fp32 for stability; by default it also turns on gradient checkpointing, which we switch off
-# here so that the four runs keep the same activations (chapter 4 measures checkpointing). Model states follow from
-# byte counts: full fine-tuning in fp32 keeps $16 \times$ {glue:text}`base_params_b:.2f` billion bytes, about
-# {glue:text}`full_states_gib:.0f` GiB, which no T4 can hold. On a larger GPU we first **emulate a T4**, as chapter 1
-# does: `measure.gpu_budget` caps PyTorch's allocator at the T4's 14.75 GiB minus this process's CUDA context. A run
-# that runs out of memory there is repeated on the whole GPU, and its numbers are labelled as such.
+# here so that the runs keep the same activations (chapter 4 measures checkpointing). Model states follow from byte
+# counts: full fine-tuning in fp32 keeps 16 bytes per parameter, which no T4 can hold for this model. On a larger GPU
+# we first **emulate a T4**, as chapter 1 does: `measure.t4_budget` computes the T4's 14.75 GiB minus this process's
+# CUDA context, and `measure.gpu_budget` caps PyTorch's allocator there. A run that runs out of memory there is
+# repeated on the whole GPU, and its numbers are labelled as such; on a real T4 it stays out of memory, and the rest
+# of the chapter shows it as such.
 
 # %%
 import bitsandbytes as bnb
@@ -330,9 +385,10 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
 LR_FULL, LR_LORA = 1e-4, 1e-3
 ALL_LINEAR = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")  # every linear layer of the blocks
-if prof.is_full:
-    glue("full_states_gib", 16 * n_base / GIB)
-paged_ok = profiles.cuda_or_skip("paged optimizers need CUDA unified memory; QLoRA uses the non-paged AdamW8bit")
+PAGING_MIN_VALUES = 100_000  # bitsandbytes (Optimizer8bit.get_state_buffer) pages only tensors this large or larger
+paged_ok = profiles.cuda_or_skip("paged optimizers need CUDA unified memory; the 8-bit runs use the non-paged AdamW8bit")
+Optim8bit = bnb.optim.PagedAdamW8bit if paged_ok else bnb.optim.AdamW8bit
+print(f"16 bytes per parameter of model states for full fine-tuning: {16 * n_base / GIB:.1f} GiB")
 
 
 def full_finetuning(half):
@@ -340,291 +396,433 @@ def full_finetuning(half):
     return model, torch.optim.AdamW(model.parameters(), lr=LR_FULL, fused=True), half
 
 
-def lora(r=R):
-    model = models.build("polyglot-ko-1.3b", head="causal-lm", dtype=torch.bfloat16, seed=0)
+def lora(r=R, eight_bit=False):
+    model = models.build("polyglot-ko-1.3b", head="causal-lm", dtype=AMP, seed=0)
     model = get_peft_model(model, lora_config(r, ALL_LINEAR))
     params = [p for p in model.parameters() if p.requires_grad]
-    return model, torch.optim.AdamW(params, lr=LR_LORA, fused=True), torch.bfloat16
+    optimizer = Optim8bit(params, lr=LR_LORA) if eight_bit else torch.optim.AdamW(params, lr=LR_LORA, fused=True)
+    return model, optimizer, AMP
 
 
 def qlora():
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.bfloat16)
-    model = AutoModelForCausalLM.from_pretrained(ckpt_dir, quantization_config=quant, dtype=torch.bfloat16,
+                               bnb_4bit_compute_dtype=AMP)
+    model = AutoModelForCausalLM.from_pretrained(ckpt_dir, quantization_config=quant, dtype=AMP,
                                                  device_map=dev, attn_implementation="sdpa")
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     model = get_peft_model(model, lora_config(R, ALL_LINEAR))
     params = [p for p in model.parameters() if p.requires_grad]
-    make = bnb.optim.PagedAdamW8bit if paged_ok else bnb.optim.AdamW8bit
-    return model, make(params, lr=LR_LORA), torch.bfloat16
+    return model, Optim8bit(params, lr=LR_LORA), AMP
 
 
 # %% [markdown]
 # One function trains any of them: it builds the model and optimizer, runs the steps, and records the model states
-# by accounting (weights, gradients after `backward()`, optimizer states after `step()`), the bytes saved for
-# backward in step 2 (`SavedTensorMeter`), the median time of steps 3 and later, the peak allocated memory over the
-# whole run, and the loss of every step. An out-of-memory error is caught and reported with the phase it happened in.
+# by accounting (all weights and the trainable ones, gradients after `backward()`, optimizer states after `step()`),
+# the bytes saved for backward in step 2 (`SavedTensorMeter`), the peak allocated memory over the whole run, the loss
+# of every step, and how many of the optimizer's state tensors bitsandbytes paged. After training, `time_it` times
+# ten more steps on one batch (after three warm-up steps), with the GPU-busy fraction. An out-of-memory error is
+# caught and reported with the phase it happened in.
 
 # %%
-def run(build, steps):
-    """Build a model and optimizer, train `steps` steps; model states, activations, time, peak, losses."""
+def run(build, steps, busy=True):
+    """Build a model and optimizer, train `steps` steps; model states, activations, timing, peak, losses."""
     where = "loading the model"
-    losses, times, rec = [], [], {}
+    losses, rec, timed = [], {}, None
+    start = time.perf_counter()
     try:
         measure.reset_peak(dev)
         model, optimizer, half = build()
+        scaler = torch.amp.GradScaler(dev, enabled=half == torch.float16)  # fp16 (a T4) needs loss scaling
         base_lrs = [g["lr"] for g in optimizer.param_groups]
         model.train()
+
+        def step(batch, meter=None):
+            with meter or contextlib.nullcontext(), torch.autocast(dev, dtype=half, enabled=half is not None):
+                loss = model(**batch).loss
+            scaler.scale(loss).backward()
+            grads = accounting.grad_bytes(model) if meter is not None else None  # step 2 only: not in timed steps
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            return loss, grads
+
         for i, batch in enumerate(itertools.islice(train.batches(ds_lm, lm_batch, seed=0), steps)):
             where = f"step {i + 1}"
             batch = {k: v.to(dev) for k, v in batch.items()}
             for group, lr in zip(optimizer.param_groups, base_lrs):  # linear warm-up over 10 steps
                 group["lr"] = lr * min(1.0, (i + 1) / 10)
-            meter = accounting.SavedTensorMeter(model) if i == 1 else contextlib.nullcontext()  # step 2 only
-            measure.synchronize(dev)
-            start = time.perf_counter()
-            with meter, torch.autocast(dev, dtype=half, enabled=half is not None):
-                loss = model(**batch).loss
-            loss.backward()
+            meter = accounting.SavedTensorMeter(model) if i == 1 else None  # step 2 only
+            loss, grads = step(batch, meter)
             if i == 1:
-                rec |= {"gradients": accounting.grad_bytes(model), "activations": meter.total_bytes}
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            measure.synchronize(dev)
-            times.append(time.perf_counter() - start)
+                rec |= {"gradients": grads, "activations": meter.total_bytes}
             losses.append(loss.item())
-        rec |= {"weights": accounting.param_bytes(model), "optimizer states": accounting.optimizer_state_bytes(optimizer),
-                "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+        states = [t for st in accounting.inner_optimizer(optimizer).state.values() for t in st.values()
+                  if torch.is_tensor(t)]
+        rec |= {"weights": accounting.param_bytes(model),
+                "trainable weights": accounting.param_bytes(model, trainable_only=True),
+                "optimizer states": accounting.optimizer_state_bytes(optimizer),
+                "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+                "largest trainable tensor": max(p.numel() for p in model.parameters() if p.requires_grad),
+                "paged": sum(bool(getattr(t, "is_paged", False)) for t in states), "state tensors": len(states)}
+        if prof.on_gpu:
+            rec["peak"] = measure.allocator_mib()["peak_allocated_mib"] * MIB / GIB
+        where = "timing"
+        timed = timing.time_it(lambda: step(batch), device=dev, warmup=3, repeat=10, busy=busy)
     except torch.OutOfMemoryError:
-        return {"result": f"out of memory ({where})"}, losses
-    median_s = pd.Series(times[2:]).median()
+        return {"result": f"out of memory ({where})"}, losses, None
     row = {"result": "ok", "trainable parameters": rec["trainable"],
-           **{part: rec[part] / GIB for part in ("weights", "gradients", "optimizer states", "activations")},
-           "step (ms)": 1e3 * median_s, "tokens/s": lm_batch * lm_seq / median_s}
+           **{part: rec[part] / GIB for part in ("weights", "trainable weights", "gradients", "optimizer states",
+                                                 "activations")},
+           "step (ms)": 1e3 * timed.wall.median, "step IQR (ms)": 1e3 * timed.wall.iqr,
+           "tokens/s": lm_batch * lm_seq / timed.wall.median, "GPU busy": timed.gpu_busy, "verdict": timed.verdict,
+           "paged state tensors": f"{rec['paged']} of {rec['state tensors']}",
+           "largest trainable tensor": rec["largest trainable tensor"], "run (s)": time.perf_counter() - start}
     if prof.on_gpu:
-        row["peak allocated"] = measure.allocator_mib()["peak_allocated_mib"] * MIB / GIB
-    return row, losses
+        row["peak allocated"] = rec["peak"]
+    return row, losses, timed
 
 
 # %% [markdown]
-# The four runs. Full fine-tuning in fp32 runs 4 steps; the other three run {glue:text}`curve_steps` steps, and
-# section 6.4 uses their loss curves. Memory columns are in GiB.
+# The five runs. Full fine-tuning in fp32 runs 4 steps; the others run a longer curve, and section 6.4 uses their
+# loss curves. Memory columns are in GiB.
 
 # %%
 curve_steps = prof.pick(tiny=20, full=100)
-if prof.is_full:
-    glue("curve_steps", curve_steps)
+budget = None
 if profiles.cuda_or_skip("emulating the T4's memory needs a GPU; on a CPU the runs are not capped"):
     cleanup.free(globals())
-    context_gib = (measure.nvml_used_mib() - nvml_before_cuda) * MIB / GIB - torch.cuda.memory_reserved() / GIB
-    t4_budget_gib = measure.T4_MEMORY_GIB - context_gib
-    glue("t4_budget_gib", t4_budget_gib)
-    print(f"allocator capped at {t4_budget_gib:.2f} GiB = 14.75 GiB (T4) - {context_gib:.2f} GiB (CUDA context)")
+    budget = measure.t4_budget(nvml_before_cuda)
+    print(budget.describe())
 
+FT32, FTMIX = "full fine-tuning, fp32", f"full fine-tuning, {AMP_NAME} autocast"
+LORA, LORA8, QLORA = f"LoRA r={R}, {AMP_NAME} base", f"LoRA r={R}, {AMP_NAME} base, 8-bit AdamW", f"QLoRA r={R}, NF4 base"
 CONFIGS = {
-    "full fine-tuning, fp32": (lambda: full_finetuning(None), 4),
-    "full fine-tuning, bf16 autocast": (lambda: full_finetuning(torch.bfloat16), curve_steps),
-    "LoRA r=8, bf16 base": (lora, curve_steps),
-    "QLoRA r=8, NF4 base": (qlora, curve_steps),
+    FT32: (lambda: full_finetuning(None), 4),
+    FTMIX: (lambda: full_finetuning(AMP), curve_steps),
+    LORA: (lora, curve_steps),
+    LORA8: (lambda: lora(eight_bit=True), curve_steps),
+    QLORA: (qlora, curve_steps),
 }
-results, curves = {}, {}
+results, curves, timings = {}, {}, {}
 for name, (build, steps) in CONFIGS.items():
-    if prof.on_gpu:
-        with measure.gpu_budget(t4_budget_gib):
-            row, losses = run(build, steps)
+    if budget is not None:
+        with measure.gpu_budget(budget.budget_gib):
+            row, losses, timed = run(build, steps)
         on_t4 = row["result"]
         if on_t4 != "ok":  # it does not fit a T4: measure it on the whole GPU, and say so
             cleanup.free(globals())
-            row, losses = run(build, steps)
+            row, losses, timed = run(build, steps)
         row = {"emulated T4": on_t4, "measured on": "T4 budget" if on_t4 == "ok" else "whole GPU", **row}
     else:
-        row, losses = run(build, steps)
+        row, losses, timed = run(build, steps)
     results[name], curves[name] = row, losses
+    if timed is not None:
+        timings[name] = timed
     cleanup.free(globals())
     if prof.on_gpu:
-        print(f"{name}: '{row['emulated T4']}' on the T4 budget; allocated afterwards "
+        print(f"{name}: '{row['emulated T4']}' on the T4 budget, '{row['result']}' as measured; allocated afterwards "
               f"{torch.cuda.memory_allocated() / MIB:,.0f} MiB")
 ft = pd.DataFrame(results).T
-ft
+ok_rows = ft[ft["result"] == "ok"].index
+glue("ft_configs_ok", len(ok_rows))
+ft.drop(columns=["run (s)"])
 
 # %%
-states = ["weights", "gradients", "optimizer states"]
-ok = ft[ft["result"] == "ok"]
-breakdown = ok[states].astype(float)
-if prof.on_gpu:  # the bar is the measured peak; what the model states do not explain is activations and temporaries
-    breakdown["activations & temporaries"] = (ok["peak allocated"].astype(float) - breakdown.sum(axis=1)).clip(lower=0)
-    breakdown.index = [f"{n} *" if ok.loc[n, "measured on"] != "T4 budget" else n for n in ok.index]
-    title = f"1.3B GPT-NeoX, batch {lm_batch} x {lm_seq} tokens: peak allocated memory"
-else:  # no allocator: the accounted parts, with the bytes saved for backward
-    breakdown["activations & temporaries"] = ok["activations"].astype(float)
-    title = f"1.3B GPT-NeoX, batch {lm_batch} x {lm_seq} tokens: accounted memory"
-fig = plots.stacked_bar(breakdown, title=title, ylabel="memory (GiB)", colors={"activations & temporaries": "#C44E52"})
+short = {FT32: "full FT\nfp32", FTMIX: f"full FT\n{AMP_NAME} autocast", LORA: f"LoRA\n{AMP_NAME} base",
+         LORA8: f"LoRA\n{AMP_NAME} base\n8-bit AdamW", QLORA: "QLoRA\nNF4 base\n8-bit AdamW"}
+parts = ["frozen weights", "trainable weights", "gradients", "optimizer states", "activations & temporaries"]
+breakdown = pd.DataFrame(0.0, index=ft.index, columns=parts)
+for n in ok_rows:
+    r = ft.loc[n]
+    breakdown.loc[n, ["trainable weights", "gradients", "optimizer states"]] = [
+        float(r["trainable weights"]), float(r["gradients"]), float(r["optimizer states"])]
+    breakdown.loc[n, "frozen weights"] = float(r["weights"]) - float(r["trainable weights"])
+    if prof.on_gpu:  # the bar is the measured peak; what the model states do not explain is activations and temporaries
+        breakdown.loc[n, "activations & temporaries"] = max(0.0, float(r["peak allocated"]) - breakdown.loc[n].sum())
+    else:  # no allocator: the accounted parts, with the bytes saved for backward
+        breakdown.loc[n, "activations & temporaries"] = float(r["activations"])
+fits = [n for n in ok_rows if ft.loc[n].get("emulated T4", "ok") == "ok"]
+what = "peak allocated memory" if prof.on_gpu else "accounted memory"
+title = (f"1.3B GPT-NeoX, batch {lm_batch} x {lm_seq}: {what}; "
+         + (f"{len(fits)} of {len(ft)} fit the T4 budget" if budget is not None else "no T4 budget on a CPU"))
+fig = plots.stacked_bar(breakdown, title=title, ylabel="memory (GiB)",
+                        colors={"frozen weights": "#8C8C8C", "trainable weights": "#4C72B0",
+                                "activations & temporaries": "#C44E52"})
 ax = fig.axes[0]
-short = {"full fine-tuning, fp32": "full FT\nfp32", "full fine-tuning, bf16 autocast": "full FT\nbf16 autocast",
-         "LoRA r=8, bf16 base": "LoRA r=8\nbf16 base", "QLoRA r=8, NF4 base": "QLoRA r=8\nNF4 base"}
-ax.set_xticks(range(len(breakdown)), [short.get(n.rstrip(" *"), n) + (" *" if n.endswith("*") else "")
-                                      for n in breakdown.index], rotation=0, ha="center")
-if prof.on_gpu:
-    ax.axhline(t4_budget_gib, color="grey", linestyle="--", label="emulated T4 budget")
+labels = []
+for i, n in enumerate(ft.index):
+    label = short[n]
+    if n not in ok_rows:  # out of memory even on the whole GPU: a marker, not a missing bar
+        ax.plot(i, 0.3, "x", color="black", ms=12, mew=3)
+        ax.annotate("out of\nmemory", (i, 0.6), ha="center", va="bottom", fontsize=8)
+    elif budget is not None and ft.loc[n, "measured on"] != "T4 budget":
+        label += " *"
+    labels.append(label)
+ax.set_xticks(range(len(ft.index)), labels, rotation=0, ha="center", fontsize=8)
+if budget is not None:
+    ax.axhline(budget.budget_gib, color="grey", linestyle="--", label="emulated T4 budget")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_xlabel("* does not fit the T4 budget: measured on the whole GPU")
+fig.set_size_inches(10, 4.5)
 fig.tight_layout()
 
-# %%
-if prof.is_full and prof.on_gpu:
-    for key, name in [("fp32", "full fine-tuning, fp32"), ("mixed", "full fine-tuning, bf16 autocast"),
-                      ("lora", "LoRA r=8, bf16 base"), ("qlora", "QLoRA r=8, NF4 base")]:
-        glue(f"ft_{key}_peak", ft.loc[name, "peak allocated"])
-        glue(f"ft_{key}_ms", ft.loc[name, "step (ms)"])
-        glue(f"ft_{key}_weights", ft.loc[name, "weights"])
-        glue(f"ft_{key}_acts", ft.loc[name, "activations"])
-        glue(f"ft_{key}_t4", ft.loc[name, "emulated T4"])
-    glue("ft_qlora_states_mib", ft.loc["QLoRA r=8, NF4 base", "optimizer states"] * GIB / MIB)
-    glue("ft_lora_states_mib", ft.loc["LoRA r=8, bf16 base", "optimizer states"] * GIB / MIB)
-    glue("ft_lora_trainable", ft.loc["LoRA r=8, bf16 base", "trainable parameters"])
-    glue("ft_nf4_weights_bits", 8 * ft.loc["QLoRA r=8, NF4 base", "weights"] * GIB / n_base)
+# %% tags=["remove-input"]
 n_embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
-if prof.is_full:
-    glue("embed_share_pct", 100 * n_embed / n_base)
+
+
+def gib(name, col, fmt=".2f"):
+    """A number of the table, or an em dash where the run ran out of memory."""
+    return format(float(ft.loc[name, col]), fmt) if name in ok_rows else "—"
+
+
+def mib(name, col):
+    return f"{float(ft.loc[name, col]) * GIB / MIB:,.1f}" if name in ok_rows else "—"
+
+
+if prof.on_gpu:
+    failed_t4 = [n for n in ft.index if ft.loc[n, "emulated T4"] != "ok"]
+    fit_t4 = [n for n in ft.index if ft.loc[n, "emulated T4"] == "ok"]
+    text = (f"Under the emulated T4 ({budget.budget_gib:.2f} GiB for tensors), "
+            + (f"{' and '.join(failed_t4)} failed" if failed_t4 else "every configuration fit")
+            + (f"; {', '.join(fit_t4)} fit" if failed_t4 and fit_t4 else "") + ". ")
+    big = [n for n in failed_t4 if n in ok_rows]
+    if big:
+        text += ("On the whole GPU (the bars marked *, numbers from this larger GPU, not from a T4) "
+                 + ", ".join(f"{n} peaked at {gib(n, 'peak allocated', '.1f')} GiB" for n in big) + ". ")
+    oom = [n for n in ft.index if n not in ok_rows]
+    if oom:
+        text += f"{' and '.join(oom)} ran out of memory on this GPU even without the cap. "
+    text += ("Peaks of the others: " + "; ".join(f"{n} {gib(n, 'peak allocated')} GiB" for n in ok_rows
+                                                 if n not in big) + ".")
+    display(Markdown(text))
+else:
+    print("skipped on CPU: peaks and the T4 budget need a GPU (the figure shows the accounted parts)")
+
+# %% tags=["remove-input"]
+lines = []
+if LORA in ok_rows and QLORA in ok_rows:
+    nf4_bits = 8 * (float(ft.loc[QLORA, "weights"]) - float(ft.loc[QLORA, "trainable weights"])) * GIB / n_base
+    lines.append(
+        f"- **Weights.** {gib(LORA, 'weights')} GiB for LoRA's {AMP_NAME} base and adapters, {gib(QLORA, 'weights')} "
+        f"GiB for QLoRA's: the frozen part of QLoRA's is {nf4_bits:.1f} bits per parameter on average, not 4. The "
+        f"embeddings and the LM head ({100 * n_embed / n_base:.0f}% of this model's parameters: its vocabulary is "
+        f"large for its size) are not quantized, and `prepare_model_for_kbit_training` casts them to fp32.")
+    lines.append(
+        f"- **Gradients and optimizer states** nearly vanish: only the {int(ft.loc[LORA, 'trainable parameters']):,} "
+        f"adapter parameters have them. AdamW's states for LoRA take {mib(LORA, 'optimizer states')} MiB, the 8-bit "
+        f"states {mib(LORA8, 'optimizer states')} MiB with the {AMP_NAME} base and {mib(QLORA, 'optimizer states')} "
+        f"MiB with QLoRA's.")
+    lines.append(
+        f"- **Activations** do not go away: the backward pass still runs through every frozen layer to reach the "
+        f"adapters below it, and the inputs of the adapted layers are saved. The bytes saved for backward were "
+        f"{gib(FTMIX, 'activations')} GiB for full fine-tuning with autocast, {gib(LORA, 'activations')} GiB for "
+        f"LoRA and {gib(QLORA, 'activations')} GiB for QLoRA (whose fp32 embeddings and layer norms, left by "
+        f"`prepare_model_for_kbit_training`, put part of the residual stream in fp32). At long sequences the "
+        f"activations dominate, which is why QLoRA is usually combined with gradient checkpointing (chapter 4).")
+    if prof.on_gpu and LORA8 in ok_rows:
+        d_opt = float(ft.loc[LORA, "peak allocated"]) - float(ft.loc[LORA8, "peak allocated"])
+        d_base = float(ft.loc[LORA8, "peak allocated"]) - float(ft.loc[QLORA, "peak allocated"])
+        lines.append(
+            f"- **One variable at a time.** Replacing AdamW by the 8-bit optimizer (LoRA against LoRA with 8-bit "
+            f"AdamW) lowered the peak by {d_opt * GIB / MIB:,.0f} MiB; replacing the {AMP_NAME} base by the 4-bit one "
+            f"(LoRA with 8-bit AdamW against QLoRA) by {d_base * GIB / MIB:,.0f} MiB. "
+            + ("Nearly all of QLoRA's saving is the 4-bit base: the adapters' optimizer states were small to begin with."
+               if abs(d_opt) < 0.1 * abs(d_base) else "Both changes matter here."))
+    largest = int(ft.loc[QLORA, "largest trainable tensor"])
+    paged = ft.loc[QLORA, "paged state tensors"]
+    if not paged_ok:
+        lines.append("- **Paging** is skipped on a CPU: the 8-bit runs used the non-paged optimizer.")
+    elif paged.startswith("0 of"):
+        lines.append(
+            f"- **Paging.** The paged 8-bit AdamW paged nothing here ({paged} state tensors): bitsandbytes allocates a "
+            f"state in unified memory only for a tensor of at least {PAGING_MIN_VALUES:,} values, and the largest "
+            f"adapter matrix has {largest:,}. So QLoRA's optimizer behaved exactly as the non-paged `AdamW8bit`; chapter "
+            f"5's bert-large, whose weight matrices are far larger, shows paging at work.")
+    else:
+        lines.append(
+            f"- **Paging.** The paged 8-bit AdamW paged {paged} state tensors (those of adapter tensors with at least "
+            f"{PAGING_MIN_VALUES:,} values; the largest has {largest:,}); their bytes live in unified memory, outside "
+            f"PyTorch's allocator.")
+if lines:
+    display(Markdown("Where the memory went:\n\n" + "\n".join(lines)))
+else:
+    print("skipped: LoRA or QLoRA did not run on this machine")
 
 # %% [markdown]
-# Under the emulated T4 ({glue:text}`t4_budget_gib:.2f` GiB for tensors), full fine-tuning failed in both
-# precisions ("{glue:text}`ft_fp32_t4`" in fp32, "{glue:text}`ft_mixed_t4`" with autocast): the model states alone,
-# 16 bytes per parameter, are {glue:text}`full_states_gib:.1f` GiB. On the whole GPU, full fine-tuning
-# peaked at {glue:text}`ft_fp32_peak:.1f` GiB in fp32 and {glue:text}`ft_mixed_peak:.1f` GiB with bf16 autocast
-# (the bars marked * are numbers from the large GPU, not from a T4). LoRA peaked at {glue:text}`ft_lora_peak:.2f` GiB
-# and QLoRA at {glue:text}`ft_qlora_peak:.2f` GiB, both inside the T4 budget.
-#
-# Where the memory went:
-#
-# - **Weights.** {glue:text}`ft_lora_weights:.2f` GiB for LoRA's bf16 base, {glue:text}`ft_qlora_weights:.2f` GiB
-#   for QLoRA's: {glue:text}`ft_nf4_weights_bits:.1f` bits per parameter on average, not 4. The embeddings and the
-#   LM head ({glue:text}`embed_share_pct:.0f`% of this model's parameters: its vocabulary is large for its size) are
-#   not quantized, and `prepare_model_for_kbit_training` casts them to fp32. In LLaMA-65B (section 6.5) they are
-#   {glue:text}`llama_embed_pct:.1f`% of the parameters.
-# - **Gradients and optimizer states** nearly vanish: only the {glue:text}`ft_lora_trainable:,` adapter parameters
-#   have them. AdamW's states for LoRA take {glue:text}`ft_lora_states_mib:.1f` MiB, the 8-bit states for QLoRA
-#   {glue:text}`ft_qlora_states_mib:.1f` MiB.
-# - **Activations** do not go away: the backward pass still runs through every frozen layer to reach the adapters
-#   below it, and the inputs of the adapted layers are saved. The bytes saved for backward were
-#   {glue:text}`ft_mixed_acts:.2f` GiB for full fine-tuning with autocast, {glue:text}`ft_lora_acts:.2f` GiB for LoRA
-#   and {glue:text}`ft_qlora_acts:.2f` GiB for QLoRA (whose fp32 embeddings and layer norms, left by
-#   `prepare_model_for_kbit_training`, put part of the residual stream in fp32). At long sequences the activations
-#   dominate, which is why QLoRA is usually combined with gradient checkpointing (chapter 4).
-#
-# Speed: a full fine-tuning step with autocast took {glue:text}`ft_mixed_ms:.0f` ms, LoRA
-# {glue:text}`ft_lora_ms:.0f` ms and QLoRA {glue:text}`ft_qlora_ms:.0f` ms. LoRA skips the weight gradients of the
-# frozen layers (a third of the FLOPs) and nearly all of the optimizer's work, and still its step was not faster
-# here. At 1,024 tokens per step this GPU is far from busy (chapter 3: the 1.3B model's throughput was still
-# climbing steeply at this batch), so a step's time goes to launching kernels rather than to arithmetic, and each of
-# the 96 adapted layers adds kernels of its own (the two adapter products, dropout, casts, in the forward and the
-# backward pass). The FLOPs LoRA saves show at batches large enough to keep the GPU busy. QLoRA pays, in addition,
-# to dequantize every weight from 4 bits, in the forward pass and again in the backward pass.
+# **Speed.** LoRA skips the weight gradients of the frozen layers (a third of the FLOPs) and nearly all of the
+# optimizer's work; QLoRA, in addition, dequantizes every weight from 4 bits, in the forward pass and again in the
+# backward pass. Whether that shows in the step time depends on what limits the step. `time_it`'s medians, spreads
+# and verdicts, and `timing.compare` against full fine-tuning with autocast:
+
+# %%
+speed_cols = ["step (ms)", "step IQR (ms)", "tokens/s", "GPU busy", "verdict"]
+speed = ft.loc[ok_rows, [c for c in speed_cols if c in ft.columns]].copy()
+reference = FTMIX if FTMIX in timings else next(iter(timings), None)
+if reference is not None:
+    cmp = timing.compare(timings, baseline=reference)
+    speed[f"speed-up vs {reference}"] = [cmp[n]["speed-up"] for n in speed.index]
+    speed["difference"] = [cmp[n]["difference"] for n in speed.index]
+    speed["GPU ops per step"] = [timings[n].kernels_per_call for n in speed.index]
+speed
+
+# %% tags=["remove-input"]
+if prof.on_gpu and reference is not None and LORA in timings:
+    lo = timings[LORA]
+    text = (f"A LoRA step took {lo.wall.median * 1e3:.0f} ms (IQR {lo.wall.iqr * 1e3:.1f}), "
+            f"{cmp[LORA]['speed-up']:.2f} times the speed of {reference} ({cmp[LORA]['difference']}); ")
+    if QLORA in timings:
+        q = timings[QLORA]
+        text += f"QLoRA took {q.wall.median * 1e3:.0f} ms (IQR {q.wall.iqr * 1e3:.1f}, {cmp[QLORA]['difference']}). "
+    text += (f"The LoRA step kept the GPU busy {lo.gpu_busy:.0%} of the time and ran {lo.kernels_per_call:,} GPU "
+             f"operations (verdict: *{lo.verdict}*)")
+    if reference in timings and reference != LORA:
+        ref = timings[reference]
+        text += f"; {reference}: busy {ref.gpu_busy:.0%}, {ref.kernels_per_call:,} operations (*{ref.verdict}*)"
+    text += ". "
+    if lo.verdict == "host-bound":
+        text += (f"At {lm_batch * lm_seq:,} tokens per step the LoRA step is host-bound: its time is the CPU's time "
+                 f"to issue kernels, and each of the {4 * n_layers} adapted layers adds kernels of its own (the two "
+                 f"adapter products, dropout, casts and the scaling, in the forward and the backward pass). The FLOPs "
+                 f"LoRA saves show only at batches large enough to keep the GPU busy.")
+    else:
+        text += "The step is not host-bound here, so the FLOPs LoRA saves can show in its time."
+    display(Markdown(text))
+else:
+    print("skipped on CPU: step times and GPU-busy fractions need a GPU")
 
 # %% [markdown]
 # **The rank.** How do trainable parameters and memory grow with $r$? LoRA with $r$ from 4 to 256 on the same four
-# layers per block, three steps each, under the T4 budget:
+# layers per block, three steps each (and ten timed ones), under the T4 budget:
 
 # %%
 ranks = prof.pick(tiny=[4, 8, 16, 32], full=[4, 8, 16, 32, 64, 128, 256])
 rank_rows = []
 for r in ranks:
-    if prof.on_gpu:
-        with measure.gpu_budget(t4_budget_gib):
-            row, _ = run(lambda r=r: lora(r), 3)
-    else:
-        row, _ = run(lambda r=r: lora(r), 3)
-    # r (d_in + d_out) per adapted layer: (d + 3d) + (d + d) + (d + 4d) + (4d + d) = 16d per block
-    assert row["trainable parameters"] == n_layers * r * 16 * h
+    with measure.gpu_budget(budget.budget_gib) if budget is not None else contextlib.nullcontext():
+        row, _, _ = run(lambda r=r: lora(r), 3, busy=False)
+    if row["result"] == "ok":
+        # r (d_in + d_out) per adapted layer: (d + 3d) + (d + d) + (d + 4d) + (4d + d) = 16d per block
+        assert row["trainable parameters"] == n_layers * r * 16 * h
     rank_rows.append({"r": r, **row})
     cleanup.free(globals())
 rank_sweep = pd.DataFrame(rank_rows).set_index("r")
-rank_sweep["trainable (M)"] = rank_sweep["trainable parameters"] / 1e6
-rank_sweep[[c for c in rank_sweep.columns if c not in ("result", "trainable parameters", "tokens/s")]]
+rank_ok = rank_sweep[rank_sweep["result"] == "ok"].copy()
+rank_ok["trainable (M)"] = rank_ok["trainable parameters"].astype(float) / 1e6
+rank_ok["frozen base"] = rank_ok["weights"].astype(float) - rank_ok["trainable weights"].astype(float)
+rank_ok["adapter states"] = rank_ok[["trainable weights", "gradients", "optimizer states"]].astype(float).sum(axis=1)
+rank_cols = ["trainable (M)", "frozen base", "adapter states", "activations", "peak allocated", "step (ms)", "step IQR (ms)"]
+rank_sweep.join(rank_ok[["trainable (M)", "frozen base", "adapter states"]])[
+    ["result"] + [c for c in rank_cols if c in rank_sweep.columns or c in rank_ok.columns]]
 
 # %%
-mem_col = "peak allocated" if prof.on_gpu else "activations"
-fig, (ax_p, ax_m) = plt.subplots(1, 2, figsize=(10, 4))
-ax_p.plot(rank_sweep.index, rank_sweep["trainable (M)"], "o-")
+fig, (ax_p, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
+ax_p.plot(rank_ok.index, rank_ok["trainable (M)"], "o-")
 ax_p.set_ylabel("trainable parameters (millions)")
-ax_p.set_title("trainable parameters: linear in r")
-ax_m.plot(rank_sweep.index, rank_sweep[mem_col].astype(float), "o-",
-          label="peak allocated" if prof.on_gpu else "saved for backward")
-ax_m.plot(rank_sweep.index, rank_sweep[["weights", "gradients", "optimizer states"]].astype(float).sum(axis=1), "s--",
-          label="weights + gradients + optimizer states")
+ax_p.set_title("trainable parameters: proportional to r")
+series = {"frozen base": ("s-", "#8C8C8C"), "adapter states": ("o-", "#4C72B0"), "activations": ("^-", "#C44E52")}
+if prof.on_gpu:
+    series["peak allocated"] = ("d--", "black")
+for col, (style, color) in series.items():
+    ax_m.plot(rank_ok.index, rank_ok[col].astype(float), style, color=color,
+              label="saved for backward" if col == "activations" else col)
+r_top = rank_ok.index[-1] if len(rank_ok) else None
+if r_top is not None:
+    top_row = rank_ok.loc[r_top]
+    bigger = [c for c in ("frozen base", "activations") if top_row["adapter states"] > float(top_row[c])]
+    rank_title = (f"memory: at r = {r_top} the adapter states exceed the " + " and the ".join(bigger) if bigger
+                  else "memory: the frozen base and the activations dominate")
+else:
+    rank_title = "memory by rank"
 ax_m.set_ylabel("memory (GiB)")
 ax_m.set_ylim(bottom=0)
-ax_m.set_title("memory: the frozen base dominates")
-ax_m.legend()
+ax_m.set_title(rank_title)
+ax_m.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
 for ax in (ax_p, ax_m):
     ax.set_xscale("log", base=2)
     ax.set_xlabel("LoRA rank r")
 fig.suptitle("LoRA on every linear layer of the 1.3B model: what the rank costs")
 fig.tight_layout()
 
-# %%
-if prof.is_full and prof.on_gpu:
-    glue("rank_lo", ranks[0])
-    glue("rank_hi", ranks[-1])
-    glue("rank_lo_m", rank_sweep["trainable (M)"].iloc[0])
-    glue("rank_hi_m", rank_sweep["trainable (M)"].iloc[-1])
-    glue("rank_lo_peak", rank_sweep["peak allocated"].iloc[0])
-    glue("rank_hi_peak", rank_sweep["peak allocated"].iloc[-1])
-    glue("rank_hi_adapter_gib", 16 * rank_sweep["trainable parameters"].iloc[-1] / GIB)
-
-# %% [markdown]
-# From $r$ = {glue:text}`rank_lo` to {glue:text}`rank_hi` the trainable parameters grow from
-# {glue:text}`rank_lo_m:.2f` to {glue:text}`rank_hi_m:.1f` million, in proportion to $r$ (the figure's rank axis
-# doubles at each step, which is why a straight proportion looks like a curve there), and the peak from
-# {glue:text}`rank_lo_peak:.2f` to {glue:text}`rank_hi_peak:.2f` GiB. Each trainable parameter costs 16 bytes (fp32
-# weight and gradient, two AdamW states): {glue:text}`rank_hi_adapter_gib:.2f` GiB at $r$ =
-# {glue:text}`rank_hi`, small next to the frozen base and the activations. Memory is not what limits the rank; the
-# LoRA paper found small ranks sufficient for the tasks it studied {cite:p}`hu2022lora`.
+# %% tags=["remove-input"]
+if len(rank_ok) >= 2:
+    lo_r, hi_r = rank_ok.index[0], rank_ok.index[-1]
+    a, b = rank_ok.loc[lo_r], rank_ok.loc[hi_r]
+    text = (f"From r = {lo_r} to {hi_r} the trainable parameters grow from {a['trainable (M)']:.2f} to "
+            f"{b['trainable (M)']:.1f} million, in proportion to r (the rank axis doubles at each step, which is why "
+            f"a straight proportion looks like a curve there). Each trainable parameter costs 16 bytes (fp32 weight "
+            f"and gradient, two AdamW states): {b['adapter states']:.2f} GiB at r = {hi_r}, against "
+            f"{b['frozen base']:.2f} GiB of frozen base and {float(b['activations']):.2f} GiB saved for backward. ")
+    if bigger:
+        text += (f"So at the largest rank the adapters' states are no longer small: they exceed the "
+                 f"{' and the '.join(bigger)}. ")
+        small_r = [r for r in rank_ok.index if rank_ok.loc[r, "adapter states"] < 0.1 * rank_ok.loc[r, "frozen base"]]
+        if small_r:
+            text += f"Up to r = {max(small_r)} they are under a tenth of the frozen base. "
+    else:
+        text += "Even at the largest rank the adapters' states stay below the frozen base and the activations. "
+    if prof.on_gpu:
+        text += f"The peak grew from {float(a['peak allocated']):.2f} to {float(b['peak allocated']):.2f} GiB. "
+    text += ("The LoRA paper found small ranks sufficient for the tasks it studied "
+             "(Hu et al., 2022), with the α/r scaling that section 6.1 discussed; "
+             "with rsLoRA's scaling, larger ranks learn faster, and the memory cost is then what limits the rank.")
+    display(Markdown(text))
+else:
+    print("skipped: fewer than two ranks ran")
 
 # %% [markdown]
 # ## 6.4 Does it learn?
 #
 # The runs of section 6.3 trained on `data.markov_lm_dataset`: sequences from a fixed random chain in which each of
-# 64 tokens has 4 equally likely successors, so the best possible loss is $\ln 4$ = {glue:text}`markov_floor:.3f`
-# nats per token. The same batches in the same order, the same number of steps; learning rates typical for each
-# method ({glue:text}`lr_full` for full fine-tuning, {glue:text}`lr_lora` for the adapters, both with 10 warm-up
-# steps).
+# 64 tokens has 4 equally likely successors, so the best possible loss is $\ln 4 \approx 1.386$ nats per token. The
+# same batches in the same order, the same number of steps; learning rates typical for each method (1e-4 for full
+# fine-tuning, 1e-3 for the adapters, both with 10 warm-up steps). A run that ran out of memory has no curve; the
+# table shows it as "—".
 
 # %%
 floor = data.markov_loss_floor(4)
-glue("markov_floor", floor)
-glue("lr_full", f"{LR_FULL:g}", display_value=False)
-glue("lr_lora", f"{LR_LORA:g}", display_value=False)
-learn = {n: c for n, c in curves.items() if len(c) == curve_steps}
-fig, ax = plt.subplots()
-for (name, losses), style in zip(learn.items(), ["-", "--", "-."]):
+assert math.isclose(floor, math.log(4))
+learn_names = [n for n, (_, steps) in CONFIGS.items() if steps == curve_steps]
+learn = {n: curves[n] for n in learn_names if len(curves[n]) == curve_steps}
+fig, ax = plt.subplots(figsize=(9, 4))
+for (name, losses), style in zip(learn.items(), ["-", "--", "-.", ":"]):
     ax.plot(range(1, len(losses) + 1), pd.Series(losses).rolling(5, min_periods=1).mean(), style, label=name)
+for name in learn_names:
+    if name not in learn:  # out of memory: say so in the legend instead of leaving the run out silently
+        ax.plot([], [], " ", label=f"{name}: out of memory, no curve")
 ax.axhline(floor, color="grey", linestyle=":", label="best possible: ln 4")
 ax.set_ylim(bottom=0)
 ax.set_title("1.3B GPT-NeoX from random weights, Markov task (mean of 5 steps)")
 ax.set_xlabel(f"training step (batch {lm_batch} x {lm_seq} tokens)")
 ax.set_ylabel("training loss (nats)")
-ax.legend()
+ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
 fig.tight_layout()
-final = pd.Series({n: pd.Series(c[-10:]).mean() for n, c in learn.items()}, name="loss, last 10 steps (nats)")
-if prof.is_full:
-    for key, name in [("mixed", "full fine-tuning, bf16 autocast"), ("lora", "LoRA r=8, bf16 base"),
-                      ("qlora", "QLoRA r=8, NF4 base")]:
-        glue(f"learn_{key}", final[name])
-final
+final = pd.Series({n: pd.Series(learn[n][-10:]).mean() if n in learn else float("nan") for n in learn_names},
+                  name="loss, last 10 steps (nats)")
+final.map(lambda v: "—" if pd.isna(v) else f"{v:.3f}").to_frame()
+
+# %% tags=["remove-input"]
+def loss_txt(name):
+    return f"{final[name]:.3f}" if pd.notna(final.get(name, float("nan"))) else "— (out of memory)"
+
+
+text = (f"After {curve_steps} steps the mean loss of the last ten steps was "
+        + ", ".join(f"{loss_txt(n)} for {n}" for n in learn_names) + f", against the floor of {floor:.3f}. ")
+if LORA in learn and QLORA in learn:
+    gap = abs(final[LORA] - final[QLORA])
+    text += (f"LoRA and QLoRA end {gap:.3f} nats apart: " + (
+        "they follow each other, since the 4-bit base computes nearly the same function as the 16-bit one, the finding "
+        "behind QLoRA (Dettmers et al., 2023)." if gap < 0.05 else
+        "further apart than the 4-bit base alone should make them; the 8-bit optimizer is the other difference "
+        "(compare the LoRA run with the 8-bit AdamW)."))
+display(Markdown(text))
 
 # %% [markdown]
-# After {glue:text}`curve_steps` steps the mean loss of the last ten steps was {glue:text}`learn_mixed:.3f` nats for
-# full fine-tuning, {glue:text}`learn_lora:.3f` for LoRA and {glue:text}`learn_qlora:.3f` for QLoRA, against the
-# floor of {glue:text}`markov_floor:.3f`. LoRA and QLoRA follow each other: the 4-bit base computes nearly the same
-# function as the bf16 one, the finding behind QLoRA {cite:p}`dettmers2023qlora`.
-#
 # Read the comparison with full fine-tuning with care. The base model here has random weights, so LoRA must solve
 # the task through rank-8 changes inside a network that knows nothing, with a frozen random LM head. Fine-tuning in
-# practice starts
-# from a pretrained model that already represents most of what the task needs; there the LoRA paper finds it on par
-# with full fine-tuning on GPT-3 and RoBERTa {cite:p}`hu2022lora`. What this experiment does show is the machinery
-# working end to end: gradients reach the adapters through frozen bf16 and 4-bit layers, and the loss falls.
+# practice starts from a pretrained model that already represents most of what the task needs; there the LoRA paper
+# finds it on par with full fine-tuning on GPT-3 and RoBERTa ([Hu et al. (2022)](../book/references.md)). What this
+# experiment does show is the machinery working end to end: gradients reach the adapters through frozen 16-bit and
+# 4-bit layers, and the loss falls.
 
 # %%
 freed = cleanup.free(globals())
@@ -635,10 +833,10 @@ if prof.on_gpu:
 # %% [markdown]
 # ## 6.5 The papers' numbers by formula
 #
-# **LoRA on GPT-3 175B.** {cite:t}`hu2022lora` report that LoRA cut the GPU memory of training GPT-3 175B from
-# 1.2 TB to 350 GB, and the checkpoint from 350 GB to 35 MB, with $r = 4$ on the query and value projections of all
-# 96 layers. We build a GPT-3-shaped model on PyTorch's `meta` device (shapes, no memory) to count its parameters,
-# count the adapters with the formula, and turn both into bytes with the book's per-parameter rules
+# **LoRA on GPT-3 175B.** [Hu et al. (2022)](../book/references.md) report that LoRA cut the GPU memory of training
+# GPT-3 175B from 1.2 TB to 350 GB, and the checkpoint from 350 GB to 35 MB, with $r = 4$ on the query and value
+# projections of all 96 layers. We build a GPT-3-shaped model on PyTorch's `meta` device (shapes, no memory) to count
+# its parameters, count the adapters with the formula, and turn both into bytes with the book's per-parameter rules
 # (`estimates.BYTES_PER_PARAM`). The paper writes GB and TB; we give decimal and binary units.
 
 # %%
@@ -684,25 +882,22 @@ lora_paper = pd.DataFrame(
 print(f"GPT-3-shaped model: {n_gpt3 / 1e9:.1f} B parameters; LoRA r = 4 on W_q, W_v: {n_lora_gpt3:,} trainable")
 print(lora_paper.to_string())
 
-# %%
-if prof.is_full:
-    glue("gpt3_full8_tib", state_bytes(n_gpt3, "fp16_adamw") / 2**40)
-    glue("gpt3_full8_tb", state_bytes(n_gpt3, "fp16_adamw") / 1e12)
-    glue("gpt3_lora_gb", (state_bytes(n_gpt3, "half_inference") + state_bytes(n_lora_gpt3, "mixed_adamw")) / 1e9)
-    glue("gpt3_adapter_mb", 2 * n_lora_gpt3 / 1e6)
-    glue("gpt3_adapter_mib", 2 * n_lora_gpt3 / MIB)
+# %% tags=["remove-input"]
+full8 = state_bytes(n_gpt3, "fp16_adamw")
+display(Markdown(
+    f"The LoRA side of the paper's claim is pure weight storage: 2 bytes for each of the 175 billion frozen "
+    f"parameters make {(state_bytes(n_gpt3, 'half_inference') + state_bytes(n_lora_gpt3, 'mixed_adamw')) / 1e9:.0f} "
+    f"GB, and the adapters, even at 18 bytes per trainable parameter, add a fraction of a GB. The checkpoint of "
+    f"r = 4 adapters on W_q and W_v is {2 * n_lora_gpt3 / 1e6:.1f} MB in fp16 ({2 * n_lora_gpt3 / MIB:.1f} "
+    f"MiB), the paper's \"35 MB\" give or take the units. For full fine-tuning the paper does not say how it "
+    f"counted. No per-parameter rule gives exactly 1.2 TB: 8 bytes per parameter (fp16 weights, gradients and both "
+    f"Adam states, the LLM book's recipe of chapter 1) gives {full8 / 1e12:.2f} TB, which is {full8 / 2**40:.2f} "
+    f"TiB in binary units, the closest reading; fp32 AdamW would need twice that. Either way the ratio, three to "
+    f"four times less memory, is the point."
+))
 
 # %% [markdown]
-# The LoRA side of the paper's claim is pure weight storage: 2 bytes for each of the 175 billion frozen parameters
-# make {glue:text}`gpt3_lora_gb:.0f` GB, and the adapters, even at 18 bytes per trainable parameter, add a fraction
-# of a GB. The checkpoint of $r = 4$ adapters on $W_q$ and $W_v$ is {glue:text}`gpt3_adapter_mb:.1f` MB in fp16
-# ({glue:text}`gpt3_adapter_mib:.1f` MiB), the paper's "35 MB" give or take the units. For full fine-tuning the paper
-# does not say how it counted. No per-parameter rule gives exactly 1.2 TB: 8 bytes per parameter (fp16 weights,
-# gradients and both Adam states, the LLM book's recipe of chapter 1) gives {glue:text}`gpt3_full8_tb:.2f` TB,
-# which is {glue:text}`gpt3_full8_tib:.2f` TiB in binary units, the closest reading; fp32 AdamW would need twice
-# that. Either way the ratio, three to four times less memory, is the point.
-#
-# **QLoRA on a 65B model.** {cite:t}`dettmers2023qlora` fine-tune LLaMA-65B on one 48 GB GPU, where 16-bit full
+# **QLoRA on a 65B model.** [Dettmers et al. (2023)](../book/references.md) fine-tune LLaMA-65B on one 48 GB GPU, where 16-bit full
 # fine-tuning needs "more than 780 GB". Their setting: NF4 weights with double quantization, LoRA with $r = 64$ on
 # every linear layer, adapters in bf16, a paged AdamW with 32-bit states, gradient checkpointing. The NF4 weights
 # cost 4 bits plus their quantization constants: one fp32 scale per block of 64 weights is 0.5 bits per weight;
@@ -736,21 +931,18 @@ print(f"LLaMA-65B shape: {n_llama / 1e9:.2f} B parameters, {n_quantized / 1e9:.2
       f"LoRA r = 64 on all {len(linears)} of them: {n_lora_llama / 1e6:,.0f} M trainable; NF4: {nf4_bits:.3f} bits/weight")
 print(qlora_paper.to_string())
 
-# %%
-if prof.is_full:
-    glue("llama_full_gb", sum(full16.values()) / 1e9)
-    glue("llama_qlora_gb", sum(qlora_bytes.values()) / 1e9)
-    glue("llama_room_gb", 48 - sum(qlora_bytes.values()) / 1e9)
-    glue("llama_nf4_gb", qlora_bytes["base: NF4 linear layers"] / 1e9)
-    glue("llama_embed_pct", 100 * (n_llama - n_quantized) / n_llama)
-
-# %% [markdown]
-# 16-bit full fine-tuning needs {glue:text}`llama_full_gb:,.0f` GB of model states, the paper's "more than 780 GB".
-# QLoRA's model states add up to {glue:text}`llama_qlora_gb:.1f` GB, of which {glue:text}`llama_nf4_gb:.1f` GB is
-# the 4-bit base. That leaves {glue:text}`llama_room_gb:.1f` GB of a 48 GB card for activations, which is why the
-# paper needs gradient checkpointing, and for the paged optimizer to absorb the spikes of long sequences by moving
-# its states to CPU memory. The formula reproduces both claims; the 1.3B measurements of section 6.3 show the same
-# structure at small scale, where the unquantized embeddings and the activations weigh more.
+# %% tags=["remove-input"]
+q_gb = sum(qlora_bytes.values()) / 1e9
+display(Markdown(
+    f"16-bit full fine-tuning needs {sum(full16.values()) / 1e9:,.0f} GB of model states, the paper's \"more than "
+    f"780 GB\". QLoRA's model states add up to {q_gb:.1f} GB, of which "
+    f"{qlora_bytes['base: NF4 linear layers'] / 1e9:.1f} GB is the 4-bit base. That leaves {48 - q_gb:.1f} GB of a "
+    f"48 GB card for activations, which is why the paper needs gradient checkpointing, and for the paged optimizer "
+    f"to absorb the spikes of long sequences by moving its states to CPU memory. The formula reproduces both claims. "
+    f"The embeddings and LM head are {100 * (n_llama - n_quantized) / n_llama:.1f}% of LLaMA-65B's parameters, "
+    f"against {100 * n_embed / n_base:.0f}% of this chapter's model, whose measurements in section 6.3 show the same "
+    f"structure at small scale, where the unquantized embeddings and the activations weigh more."
+))
 
 # %% [markdown]
 # ## Summary
@@ -758,24 +950,34 @@ if prof.is_full:
 # The peak memory of one training step of the 1.3B model (batch 4 x 256 tokens), as measured in section 6.3:
 
 # %%
-summary_cols = [c for c in ("emulated T4", "measured on", "trainable parameters", "peak allocated", "step (ms)") if c in ft.columns]
-ft[summary_cols]
+summary_cols = [c for c in ("emulated T4", "measured on", "trainable parameters", "peak allocated", "step (ms)",
+                            "verdict") if c in ft.columns]
+ft[summary_cols].astype(object).where(ft[summary_cols].notna(), "—")
 
 # %% [markdown]
 # - A LoRA layer adds $\frac{\alpha}{r} B A x$ to a frozen $W x$; with $B = 0$ at the start the adapted model is the
-#   base model, bit for bit (checked), and it trains $r\,(d_\text{in} + d_\text{out})$ parameters per adapted layer:
-#   {glue:text}`lora_trainable:,` here, {glue:text}`lora_share_pct:.2f`% of the model (checked against the formula
-#   and against peft).
+#   base model, bit for bit (checked), and it trains $r(d_\text{in} + d_\text{out})$ parameters per adapted layer
+#   (checked against the formula and against peft). rsLoRA scales by $\alpha / \sqrt{r}$ instead, so that large
+#   ranks are not slowed down.
 # - `merge_and_unload` folds the adapters into the weights with the same outputs (checked to fp32 rounding); an
-#   adapter checkpoint is {glue:text}`ckpt_ratio:,.0f` times smaller than the model's.
+#   adapter checkpoint is a few MiB.
 # - Full fine-tuning of the 1.3B model with AdamW does not fit a T4, in fp32 or with autocast: 16 bytes per
-#   parameter of model states (it peaked at {glue:text}`ft_fp32_peak:.1f` GiB in fp32 and
-#   {glue:text}`ft_mixed_peak:.1f` GiB with autocast on the large GPU). LoRA peaked at
-#   {glue:text}`ft_lora_peak:.2f` GiB and QLoRA at {glue:text}`ft_qlora_peak:.2f` GiB: gradients and optimizer states
-#   vanish, QLoRA shrinks the weights, and the activations stay.
-# - The rank is cheap in memory; from the papers' byte counts, LoRA's 1.2 TB to 350 GB for GPT-3 and QLoRA's
+#   parameter of model states. LoRA and QLoRA fit: gradients and optimizer states nearly vanish, QLoRA's 4-bit base
+#   shrinks the weights (most of its saving over LoRA), and the activations stay.
+# - At small ranks the adapters cost little memory; at the largest ranks their states (16 bytes per trainable
+#   parameter) rival the frozen base. From the papers' byte counts, LoRA's 1.2 TB to 350 GB for GPT-3 and QLoRA's
 #   65B model on a 48 GB card follow from bytes per parameter alone.
-#
+
+# %% tags=["remove-input"]
+if prof.on_gpu:
+    peaks = "; ".join(f"{n}: {gib(n, 'peak allocated')} GiB" for n in ft.index)
+    display(Markdown(f"In this run: {trainable:,} trainable parameters in section 6.1 ({100 * trainable / n_base:.2f}% "
+                     f"of the model), an adapter checkpoint {sizes.iloc[3]:,.0f} times smaller than the model's, "
+                     f"and these peaks (\"—\": out of memory): {peaks}."))
+else:
+    print("skipped on CPU: the peaks need a GPU")
+
+# %% [markdown]
 # ## Use it in your own script
 #
 # LoRA and QLoRA with peft and transformers; the module names are those of GPT-NeoX (print `model` to find
@@ -787,11 +989,11 @@ ft[summary_cols]
 # from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 #
 # qlora = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-#                            bnb_4bit_compute_dtype=torch.bfloat16)
+#                            bnb_4bit_compute_dtype=torch.bfloat16)   # torch.float16 on a T4
 # model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, quantization_config=qlora)  # omit for LoRA
 # model = prepare_model_for_kbit_training(model)                                          # QLoRA only
 # config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules=["query_key_value"],
-#                     task_type="CAUSAL_LM")
+#                     task_type="CAUSAL_LM")   # use_rslora=True: scale by alpha / sqrt(r)
 # model = get_peft_model(model, config)
 # model.print_trainable_parameters()
 # ```
@@ -862,7 +1064,30 @@ ft[summary_cols]
 #
 # ## References
 #
-# - {cite:t}`hu2022lora`: LoRA, its initialisation and scaling, the GPT-3 175B numbers.
-# - {cite:t}`dettmers2023qlora`: QLoRA, NF4, double quantization, paged optimizers, the 65B model on 48 GB.
-# - {cite:t}`dettmers2022optimizers`: the 8-bit optimizers used by QLoRA's paged AdamW.
-# - {cite:t}`heo2024llm`, chapter 5: LoRA and QLoRA on polyglot-ko-1.3b, the model of this chapter.
+# - Hu et al. (2022): LoRA, its initialisation and scaling, the GPT-3 175B numbers.
+# - Kalajdzievski (2023): rank-stabilised LoRA, the $\alpha / \sqrt{r}$ scaling.
+# - Dettmers et al. (2023): QLoRA, NF4, double quantization, paged optimizers, the 65B model on 48 GB.
+# - Dettmers et al. (2022): the 8-bit optimizers used by QLoRA's paged AdamW.
+# - Heo (2024), chapter 5: LoRA and QLoRA on polyglot-ko-1.3b, the model of this chapter.
+#
+# All the works the book cites are on the [references page](../book/references.md).
+
+# %% [markdown]
+# Every experiment freed what it made. cuBLAS keeps a workspace for each handle and stream on which it ran a matrix
+# product (chapter 8); we release them, and check that the chapter ends where it began:
+
+# %%
+freed = cleanup.free(globals(), "check")
+if prof.on_gpu:
+    torch._C._cuda_clearCublasWorkspaces()  # PyTorch's own (private) call for this
+    cleanup.collect()
+    end_mib = torch.cuda.memory_allocated() / MIB
+    print(f"allocated at the start: {baseline_mib:,.2f} MiB; at the end: {end_mib:,.2f} MiB")
+    if end_mib > baseline_mib + 0.01:  # name what is still alive before failing
+        import gc
+
+        live = [(tuple(t.shape), str(t.dtype)) for t in gc.get_objects() if torch.is_tensor(t) and t.is_cuda]
+        print(f"CUDA tensors Python still holds: {live[:20]}")
+    assert end_mib <= baseline_mib + 0.01, f"{end_mib - baseline_mib:.2f} MiB still allocated: something leaked"
+else:
+    print("skipped on CPU: no GPU memory to check")
