@@ -65,8 +65,8 @@ from helpers.measure import GIB, MIB
 plots.use_style()
 pd.options.display.float_format = "{:,.4g}".format
 prof = profiles.get()
-env.report(prof)
 baseline_mib = torch.cuda.memory_allocated() / MIB if prof.on_gpu else 0.0  # checked in the last cell
+env.report(prof)
 
 # %% [markdown]
 # ## 2.1 Formats: sign, exponent, mantissa
