@@ -1,0 +1,826 @@
+"""The memory planner: predict the peak allocated memory of a training step, term by term.
+
+A ``Setup`` names the model (a registry name, a ``config.json`` path or a config object) and the recipe
+(batch, sequence length, precision, optimizer, accumulation, checkpointing, attention kernel, LoRA/QLoRA,
+ZeRO). ``predict`` returns a ``Plan``: the bytes of each component and of each phase of a steady-state
+step, which phase holds the peak, and the chapter that measured each term. ``suggest`` lists the
+cheapest changes that make a setup fit a budget, ``measure`` runs the step on a device and reads the
+allocator, ``baselines`` gives what four published estimators say for the same setup.
+
+>>> p = predict(Setup(model="gpt-neox-1.3b", batch=4, seq=256, precision="bf16-autocast"))
+>>> p.peak_gib, p.peak_phase
+>>> print(p.table())
+
+Command line: ``python -m helpers.plan --model gpt-neox-1.3b --batch 4 --seq 256 --gpu T4``.
+
+Every term is a count, not a fit to GPU measurements:
+
+- weights, gradients, optimizer states: bytes per parameter of each tensor, counted on a model built on
+  the ``meta`` device (chapter 1, section 1.3; chapter 5, section 5.4 for the optimizers; chapter 6 for
+  LoRA and QLoRA; chapter 7 for ZeRO);
+- activations: the bytes autograd saves for backward, per layer, as integer coefficients of
+  ``s*b*h``, ``s*b*I`` (MLP width), ``a*s^2*b`` (eager attention only) and ``a*s*b`` (the fused kernel's
+  log-sum-exp) -- Korthikanti et al. (2022)'s formula rewritten for the Hugging Face implementations. The
+  coefficients were counted with ``accounting.SavedTensorMeter`` on CPU (exact to the byte, see
+  ``tests/test_plan.py``) and carry two CUDA corrections the book measured: dropout masks are 1-byte
+  booleans on CUDA (chapter 1, section 1.4: bert-large matches Korthikanti's 34sbh + 5as^2b to 0.1%),
+  and the 1.3B GPT-NeoX in fp32 with SDPA saves 28 rather than 32 bytes per s*b*h (chapter 6, section 6.3);
+- autocast copies: 2 bytes per matmul weight, cached for the forward pass and saved for backward
+  (chapter 1, section 1.3; chapter 5, section 5.1);
+- temporaries: the multi-tensor AdamW step's one copy of the states (chapter 1, section 1.5), the loss's
+  fp32 logits and their gradients for language-model heads (chapter 4, section 4.3), one layer's
+  recomputed activations under checkpointing (chapter 4), Adafactor's per-parameter buffers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import sys
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+
+from helpers import estimates
+from helpers import models as _models
+
+GIB = 2**30
+
+PRECISIONS = ("fp32", "bf16-autocast", "fp16-autocast", "bf16", "fp16")
+OPTIMIZERS = ("adamw", "adamw-fused", "sgd", "sgd-momentum", "adafactor", "adamw8bit", "paged-adamw8bit")
+ATTENTIONS = ("sdpa", "eager")
+
+# Names a reader may type, mapped to the registry of ``helpers.models``.
+ALIASES = {
+    "bert-large": "bert-large-uncased",
+    "bert-large-uncased": "bert-large-uncased",
+    "gpt-neox-1.3b": "polyglot-ko-1.3b",
+    "polyglot-ko-1.3b": "polyglot-ko-1.3b",
+    "llama-2-7b": "llama-2-7b",
+    "llama-7b": "llama-2-7b",
+}
+
+# GPU memory that programs can allocate, in GiB (what the CUDA driver reports as the device's total
+# memory; the T4's 14.75 GiB is ``measure.T4_MEMORY_GIB``). The planner compares the predicted peak
+# allocated memory with this less ``CONTEXT_RESERVE_GIB`` (CUDA context, allocator fragmentation).
+GPU_MEMORY_GIB = {
+    "T4": 14.75,
+    "L4": 22.0,
+    "A10G": 22.0,
+    "V100-16": 15.77,
+    "V100-32": 31.74,
+    "A100-40": 39.39,
+    "A100-80": 79.15,
+    "L40S": 44.39,
+    "H100": 79.19,
+    "H200": 139.8,
+}
+CONTEXT_RESERVE_GIB = 0.75
+
+# Which chapter measured each component (shown by Plan.table()).
+SOURCES = {
+    "weights": "ch. 1.3 (bytes/param), ch. 2 (dtypes), ch. 6.4 (NF4)",
+    "gradients": "ch. 1.3 (dtype of the trainable params), ch. 3 (accumulation)",
+    "optimizer_states": "ch. 1.3, ch. 5.4 (AdamW 8 B, 8-bit 2 B, Adafactor factored), ch. 7 (ZeRO)",
+    "activations": "ch. 1.4 (Korthikanti et al. 2022, HF layers), ch. 4 (checkpointing)",
+    "autocast_copies": "ch. 1.3, ch. 5.1 (16-bit copies of fp32 weights)",
+    "temporaries": "ch. 1.5 (foreach AdamW), ch. 4.3 (logits, layer backward)",
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The setup
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One training recipe to plan or measure.
+
+    ``model``: a registry name of ``helpers.models`` (aliases ``bert-large``, ``gpt-neox-1.3b``,
+    ``llama-2-7b``), a path to a ``config.json`` or a ``transformers`` config object. ``profile``:
+    ``"full"`` (the real shape) or ``"tiny"`` (the registry's CPU twin). ``head``: None picks
+    ``sequence-classification`` for BERT and ``causal-lm`` otherwise.
+
+    ``precision``: ``"fp32"``; ``"bf16-autocast"`` / ``"fp16-autocast"`` (fp32 weights, 16-bit matmuls);
+    ``"bf16"`` / ``"fp16"`` (the weights themselves in 16 bits). ``checkpointing``: ``"none"``,
+    ``"full"`` (every layer) or an int k (every k-th layer). ``lora_rank`` turns on LoRA on
+    ``lora_targets``; ``qlora=True`` stores the frozen base in NF4 (needs ``lora_rank``).
+    ``zero_stage`` 0-3 and ``world_size``: ZeRO's per-rank share of the model states (formula).
+
+    Introduced in chapter 10, section 10.1.
+    """
+
+    model: Any = "gpt-neox-1.3b"
+    batch: int = 4
+    seq: int = 256
+    precision: str = "bf16-autocast"
+    optimizer: str = "adamw"
+    grad_accum: int = 1
+    checkpointing: Any = "none"
+    attention: str = "sdpa"
+    lora_rank: int | None = None
+    lora_targets: tuple[str, ...] = ("query_key_value",)
+    lora_dropout: float = 0.05
+    qlora: bool = False
+    double_quant: bool = True
+    zero_stage: int = 0
+    world_size: int = 1
+    profile: str = "full"
+    head: str | None = None
+
+    def replace(self, **changes) -> Setup:
+        """A copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
+
+    def label(self) -> str:
+        """A short one-line description."""
+        parts = [_model_label(self.model), f"b{self.batch}", f"s{self.seq}", self.precision, self.optimizer]
+        if self.grad_accum > 1:
+            parts.append(f"ga{self.grad_accum}")
+        if self.checkpointing not in ("none", None, 0):
+            parts.append(f"ckpt={self.checkpointing}")
+        parts.append(self.attention)
+        if self.lora_rank:
+            parts.append(("qlora" if self.qlora else "lora") + f" r{self.lora_rank}")
+        if self.zero_stage:
+            parts.append(f"zero{self.zero_stage}x{self.world_size}")
+        return " ".join(parts)
+
+
+def _model_label(model: Any) -> str:
+    if isinstance(model, str):
+        return Path(model).parent.name if model.endswith(".json") else model
+    return type(model).__name__
+
+
+def validate(s: Setup) -> list[str]:
+    """Check a setup; raise ``ValueError`` for an impossible one, return warnings for odd ones.
+
+    Introduced in chapter 10, section 10.1.
+    """
+    notes: list[str] = []
+    for name in ("batch", "seq", "grad_accum", "world_size"):
+        v = getattr(s, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if s.precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {s.precision!r}")
+    if s.optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {s.optimizer!r}")
+    if s.attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {s.attention!r}")
+    ck = s.checkpointing
+    if not (ck in ("none", "full", None) or (isinstance(ck, int) and not isinstance(ck, bool) and ck >= 1)):
+        raise ValueError(f"checkpointing must be 'none', 'full' or a positive int k (every k-th layer), got {ck!r}")
+    if s.lora_rank is not None and (not isinstance(s.lora_rank, int) or s.lora_rank < 1):
+        raise ValueError(f"lora_rank must be a positive integer or None, got {s.lora_rank!r}")
+    if s.lora_rank is not None and not s.lora_targets:
+        raise ValueError("LoRA needs at least one target module (lora_targets)")
+    if not 0 <= s.lora_dropout < 1:
+        raise ValueError(f"lora_dropout must be in [0, 1), got {s.lora_dropout}")
+    if s.qlora and s.lora_rank is None:
+        raise ValueError("QLoRA trains LoRA adapters on an NF4 base: give lora_rank")
+    if s.qlora and s.precision in ("fp32", "bf16", "fp16"):
+        notes.append("QLoRA computes in 16 bits: the plan assumes bf16 compute (autocast) as chapter 6 does")
+    if s.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {s.zero_stage!r}")
+    if s.zero_stage and s.world_size == 1:
+        notes.append("ZeRO with world_size 1 partitions nothing: the plan equals stage 0")
+    if s.profile not in ("full", "tiny"):
+        raise ValueError(f"profile must be 'full' or 'tiny', got {s.profile!r}")
+    shape = _shape(s)
+    if s.lora_rank is not None:
+        missing = [t for t in s.lora_targets if t not in shape.linear_names]
+        if missing:
+            raise ValueError(
+                f"LoRA targets {missing} are not linear layers of {shape.family}; "
+                f"choose from {', '.join(sorted(shape.linear_names))}"
+            )
+    if s.seq > shape.max_positions:
+        raise ValueError(f"seq {s.seq} exceeds the model's {shape.max_positions} positions")
+    return notes
+
+
+# ---------------------------------------------------------------------------------------------------
+# The model's shape, counted on the meta device
+# ---------------------------------------------------------------------------------------------------
+
+# Linear layers of one block grouped by the tensor they read: linears of a group share one input, so
+# autograd saves it once. (family -> list of (group input width key, names)).
+_INPUT_GROUPS = {
+    "bert": [("h", ("query", "key", "value")), ("h", ("attention.output.dense",)),
+             ("h", ("intermediate.dense",)), ("I", ("output.dense",))],
+    "gpt_neox": [("h", ("query_key_value",)), ("h", ("attention.dense",)),
+                 ("h", ("dense_h_to_4h",)), ("I", ("dense_4h_to_h",))],
+    "llama": [("h", ("q_proj", "k_proj", "v_proj")), ("h", ("o_proj",)),
+              ("h", ("gate_proj", "up_proj")), ("I", ("down_proj",))],
+}
+# Inputs of these groups are fp32 under autocast (outputs of LayerNorm/RMSNorm on the fp32 residual
+# stream), so each linear of the group saves its own 16-bit cast copy; the others read 16-bit tensors.
+_FP32_INPUT_UNDER_AUTOCAST = {"bert": (0,), "gpt_neox": (0, 2), "llama": (0, 2)}
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter tensor: name, shape, and where it sits (layer linear, embedding, head, other).
+
+    Introduced in chapter 10, section 10.1.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    kind: str  # "linear" (in a block), "embedding", "head", "other"
+    module: str = ""  # the linear's short name inside the block ("query_key_value", ...)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The sizes the planner needs, read from a model built on the meta device.
+
+    Introduced in chapter 10, section 10.1.
+    """
+
+    family: str
+    head: str
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    vocab: int
+    max_positions: int
+    params: tuple[Param, ...]
+    linear_names: frozenset[str]
+    layer_linears: tuple[tuple[str, int, int], ...]  # (short name, in_features, out_features) of one block
+    tied_head: bool
+
+    @property
+    def n_params(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    def layer_linear_numel(self) -> int:
+        return sum(i * o for _, i, o in self.layer_linears)
+
+    def head_linear_numel(self) -> int:
+        return sum(p.numel for p in self.params if p.kind == "head" and len(p.shape) == 2)
+
+
+def _resolve_config(model: Any, profile: str) -> tuple[PretrainedConfig, str]:
+    if isinstance(model, PretrainedConfig):
+        return model, model.to_json_string()
+    if not isinstance(model, str):
+        raise ValueError(f"model must be a registry name, a config.json path or a config object, got {type(model).__name__}")
+    if model in ALIASES:
+        name = ALIASES[model]
+        return _models.config(name, profile), f"{name}@{profile}"
+    path = Path(model)
+    if path.suffix == ".json" or path.is_dir():
+        if not path.exists():
+            raise ValueError(f"no config file at {model!r}")
+        cfg = AutoConfig.from_pretrained(str(path.parent if path.is_file() else path))
+        return cfg, cfg.to_json_string()
+    raise ValueError(f"unknown model {model!r}; known: {', '.join(ALIASES)} (or a path to a config.json)")
+
+
+_FAMILY = {"bert": "bert", "gpt_neox": "gpt_neox", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
+
+
+def _default_head(family: str) -> str:
+    return "sequence-classification" if family == "bert" else "causal-lm"
+
+
+@functools.lru_cache(maxsize=64)
+def _shape_cached(key: str, head: str | None, cfg_json: str) -> Shape:
+    cfg = PretrainedConfig.from_dict(json.loads(cfg_json)) if False else _CFG_STORE[key]
+    family = _FAMILY.get(cfg.model_type)
+    if family is None:
+        raise ValueError(f"model type {cfg.model_type!r} is not supported; the planner knows BERT, GPT-NeoX and Llama")
+    head = head or _default_head(family)
+    cls = _models._HEAD_CLASSES[head]
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = cls.from_config(cfg)
+    layer_prefix = {"bert": "encoder.layer.", "gpt_neox": "layers.", "llama": "layers."}[family]
+    params, names, first = [], set(), []
+    seen: set[int] = set()
+    for name, p in m.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        kind = "other"
+        short = ""
+        if layer_prefix in name:
+            rest = name.split(layer_prefix, 1)[1].split(".", 1)[1]  # drop the layer index
+            if p.dim() == 2:
+                kind = "linear"
+                short = rest.rsplit(".", 1)[0]
+                for pre in ("attention.self.", "attention.", "mlp.", "self_attn.", "intermediate.", ""):
+                    pass
+                names.add(short.split(".")[-1])
+                names.add(short)
+        elif "embed" in name and "embed_out" not in name:
+            kind = "embedding"
+        elif p.dim() == 2 and ("lm_head" in name or "embed_out" in name or "classifier" in name or "pooler" in name):
+            kind = "head"
+        params.append(Param(name, tuple(p.shape), kind, short))
+    layer0 = [mod for mod in m.modules() if type(mod).__name__.endswith(("Layer", "DecoderLayer"))][0]
+    for mname, mod in layer0.named_modules():
+        if isinstance(mod, nn.Linear):
+            first.append((mname, mod.in_features, mod.out_features))
+    tied = bool(getattr(cfg, "tie_word_embeddings", False)) and head == "causal-lm"
+    return Shape(
+        family=family, head=head, layers=cfg.num_hidden_layers, hidden=cfg.hidden_size,
+        intermediate=cfg.intermediate_size, heads=cfg.num_attention_heads, vocab=cfg.vocab_size,
+        max_positions=getattr(cfg, "max_position_embeddings", 10**9), params=tuple(params),
+        linear_names=frozenset(names), layer_linears=tuple(first), tied_head=tied,
+    )
+
+
+_CFG_STORE: dict[str, PretrainedConfig] = {}
+
+
+def _shape(s: Setup) -> Shape:
+    cfg, key = _resolve_config(s.model, s.profile)
+    _CFG_STORE[key] = cfg
+    return _shape_cached(key, s.head, "")
+
+
+def shape(s: Setup) -> Shape:
+    """The sizes of ``s.model`` (layers, widths, every parameter's shape), from a meta-device build.
+
+    Introduced in chapter 10, section 10.1.
+    """
+    return _shape(s)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Activation coefficients: bytes saved for backward per layer
+# ---------------------------------------------------------------------------------------------------
+
+# (family, precision class, attention) -> bytes per layer as coefficients of
+# (s*b*h, s*b*I, a*s^2*b, a*s*b, s*b). Precision classes: "fp32" (fp32 weights, no autocast), "amp"
+# (fp32 weights, 16-bit autocast), "half" (16-bit weights, no autocast). Counted with SavedTensorMeter
+# on CPU (``backend="cpu"``: exact, tests/test_plan.py) and corrected for CUDA where the two differ:
+# dropout masks (BERT) are bool on CUDA (1 byte) but the dropout's dtype on CPU, and autocast runs
+# softmax in fp32 on CUDA only. These are the per-layer versions of Korthikanti et al. (2022)'s
+# 34sbh + 5as^2b: BERT in bf16 on CUDA is exactly 34sbh (= 18sbh + 4sbI with I = 4h) + 5as^2b.
+ACT_COEF_CPU = {
+    ("bert", "fp32", "eager"): (40, 8, 12, 0, 16), ("bert", "fp32", "sdpa"): (40, 8, 0, 4, 16),
+    ("bert", "amp", "eager"): (28, 4, 6, 0, 16), ("bert", "amp", "sdpa"): (28, 4, 0, 4, 16),
+    ("bert", "half", "eager"): (20, 4, 6, 0, 8), ("bert", "half", "sdpa"): (20, 4, 0, 4, 8),
+    ("gpt_neox", "fp32", "eager"): (28, 8, 4, 0, 16), ("gpt_neox", "fp32", "sdpa"): (32, 8, 0, 4, 16),
+    ("gpt_neox", "amp", "eager"): (16, 4, 6, 0, 16), ("gpt_neox", "amp", "sdpa"): (18, 4, 0, 4, 16),
+    ("gpt_neox", "half", "eager"): (14, 4, 6, 0, 8), ("gpt_neox", "half", "sdpa"): (16, 4, 0, 4, 8),
+    ("llama", "fp32", "eager"): (40, 16, 4, 0, 8), ("llama", "fp32", "sdpa"): (40, 16, 0, 4, 8),
+    ("llama", "amp", "eager"): (34, 8, 6, 0, 8), ("llama", "amp", "sdpa"): (34, 8, 0, 4, 8),
+    ("llama", "half", "eager"): (24, 8, 6, 0, 8), ("llama", "half", "sdpa"): (24, 8, 0, 4, 8),
+}
+# BERT's dropouts per layer: two on s*b*h tensors, one on the attention probabilities (eager only).
+_BERT_MASKS = (2, 0, 1, 0, 0)
+# Bytes per element of the tensors BERT's dropout masks are made for, on CPU (the mask has the dtype
+# of its input there): fp32 4, autocast 2 (the matmul outputs), half 2.
+_CPU_MASK_BYTES = {"fp32": 4, "amp": 2, "half": 2}
+
+
+def _act_coef(family: str, pclass: str, attention: str, backend: str) -> tuple[float, ...]:
+    c = list(ACT_COEF_CPU[(family, pclass, attention)])
+    if backend == "cpu":
+        return tuple(c)
+    if family == "bert":  # CUDA dropout masks are bool (1 byte), CPU's are the input's dtype
+        m = _CPU_MASK_BYTES[pclass]
+        c = [ci - k * (m - 1) if ci else 0 for ci, k in zip(c, _BERT_MASKS)]
+        if pclass == "amp" and attention == "eager":
+            # CUDA autocast runs softmax in fp32: fp32 probabilities (4) + mask (1) + bf16 copy for A.V (2)
+            c[2] = 7
+    if (family, pclass, attention) == ("gpt_neox", "fp32", "sdpa"):
+        c[0] = 28  # chapter 6, section 6.3: the 1.3B model in fp32 saves 2.94 GiB at 4 x 256 (28sbh, not CPU's 32)
+    return tuple(c)
+
+
+# Outside the blocks (embeddings, final norm, head, loss), per token: coefficient of s*b*h by
+# (family, precision class). Language-model heads add the loss's fp32 log-softmax, 4*s*b*V.
+_OTHER_SBH = {
+    ("bert", "fp32"): 9, ("bert", "amp"): 9, ("bert", "half"): 5,
+    ("gpt_neox", "fp32"): 8, ("gpt_neox", "amp"): 6, ("gpt_neox", "half"): 4,
+    ("llama", "fp32"): 12, ("llama", "amp"): 10, ("llama", "half"): 8,
+}
+_OTHER_SBH_CPU = {("bert", "fp32"): 12, ("bert", "amp"): 12, ("bert", "half"): 6}
+
+
+def _pclass(s: Setup) -> str:
+    if s.qlora:
+        return "amp"
+    if s.precision in ("bf16-autocast", "fp16-autocast"):
+        return "amp"
+    if s.precision == "fp32":
+        return "fp32"
+    # pure 16-bit weights; with LoRA the book runs under autocast too (fp32 adapters, chapter 6)
+    return "amp" if s.lora_rank else "half"
+
+
+def _elem(s: Setup) -> int:
+    """Bytes per element of activations kept in the model's dtype."""
+    return 4 if _pclass(s) == "fp32" else 2
+
+
+def _checkpointed_layers(s: Setup, n_layers: int) -> list[bool]:
+    ck = s.checkpointing
+    if ck in ("none", None):
+        return [False] * n_layers
+    k = 1 if ck == "full" else int(ck)
+    return [i % k == 0 for i in range(n_layers)]
+
+
+def _lora_targets(s: Setup, shape: Shape) -> list[tuple[str, int, int]]:
+    """Block linears that carry adapters, matched as peft does (the module name ends with a target)."""
+    if not s.lora_rank:
+        return []
+    out = []
+    for name, i, o in shape.layer_linears:
+        if any(name == t or name.endswith("." + t) for t in s.lora_targets):
+            out.append((name, i, o))
+    return out
+
+
+def layer_activation_bytes(s: Setup, *, backend: str = "cuda") -> int:
+    """Bytes one transformer block saves for backward at ``s.batch`` x ``s.seq`` (no checkpointing).
+
+    ``backend="cpu"`` gives what ``SavedTensorMeter`` counts on a CPU (exact, see the tests);
+    ``"cuda"`` applies the two CUDA corrections described in ``ACT_COEF_CPU``.
+
+    Introduced in chapter 10, section 10.1.
+    """
+    shape = _shape(s)
+    pc = _pclass(s)
+    b, q, h, I, a = s.batch, s.seq, shape.hidden, shape.intermediate, shape.heads
+    feats = (q * b * h, q * b * I, a * q * q * b, a * q * b, q * b)
+    c = _act_coef(shape.family, pc, s.attention, backend)
+    total = sum(ci * f for ci, f in zip(c, feats))
+    if s.lora_rank:
+        total += _lora_activation_delta(s, shape, pc, backend) * q * b
+    return int(total)
+
+
+def _lora_activation_delta(s: Setup, shape: Shape, pc: str, backend: str) -> float:
+    """Per-token change of a block's saved bytes when the base is frozen and adapters are added.
+
+    A frozen linear no longer saves its input (autograd saves it only for the weight's gradient); each
+    adapter saves its own input (dropout mask + dropped copy, or a cast copy) and its rank-r output.
+    """
+    targets = {n for n, _, _ in _lora_targets(s, shape)}
+    e_x = 4 if pc == "fp32" else 2
+    e_adapter = 4  # peft keeps adapters in fp32 (autocast_adapter_dtype)
+    drop = s.lora_dropout > 0
+    fp32_groups = _FP32_INPUT_UNDER_AUTOCAST[shape.family]
+    widths = {"h": shape.hidden, "I": shape.intermediate}
+    delta = 0.0
+    for gi, (wkey, members) in enumerate(_INPUT_GROUPS[shape.family]):
+        d = widths[wkey]
+        names = [n for n, _, _ in shape.layer_linears if any(n == m or n.endswith("." + m) for m in members)]
+        n_t = sum(1 for n in names if n in targets)
+        # what the frozen base no longer saves
+        if pc == "amp" and gi in fp32_groups:
+            delta -= len(names) * 2 * d
+        else:
+            delta -= e_x * d
+        if not n_t:
+            continue
+        if pc == "amp":
+            mask = (2 if backend == "cpu" else 1) if drop else 0
+            # QLoRA / bf16 base: the group's input is fp32 only when it comes from a norm
+            delta += n_t * (mask + 2) * d
+        elif drop:
+            mask = e_adapter if backend == "cpu" else 1
+            delta += n_t * (mask + e_adapter) * d
+        elif e_x == e_adapter:
+            delta += e_x * d  # lora_A saves the base's input itself, once per group
+        else:
+            delta += n_t * e_adapter * d  # a cast copy per adapter
+    r_bytes = 2 if pc == "amp" else e_adapter
+    delta += len(targets) * s.lora_rank * r_bytes
+    return delta
+
+
+def other_activation_bytes(s: Setup, *, backend: str = "cuda") -> int:
+    """Bytes saved outside the blocks: embeddings, final norm, head, and the loss's fp32 log-softmax.
+
+    Introduced in chapter 10, section 10.1.
+    """
+    shape = _shape(s)
+    pc = _pclass(s)
+    tok = s.batch * s.seq
+    k = _OTHER_SBH.get((shape.family, pc), 8)
+    if backend == "cpu":
+        k = _OTHER_SBH_CPU.get((shape.family, pc), k)
+    total = k * tok * shape.hidden
+    if shape.head == "causal-lm":
+        total += 4 * tok * shape.vocab
+    return int(total)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Model states
+# ---------------------------------------------------------------------------------------------------
+
+NF4_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax per 64 weights
+DQ_BLOCK = 256  # double quantization: the absmaxes quantized to 8 bits in blocks of 256
+BNB_OPT_BLOCK = 256  # 8-bit optimizer states: one fp32 absmax per 256 values per state
+BNB_MIN_8BIT = 4096  # bitsandbytes keeps 32-bit states for tensors smaller than this
+
+
+def _weight_dtype_bytes(s: Setup) -> int:
+    return 2 if s.precision in ("bf16", "fp16") else 4
+
+
+def _trainable(s: Setup, shape: Shape) -> list[tuple[int, tuple[int, ...], int]]:
+    """(numel, shape, bytes per element) of each trainable tensor."""
+    if s.lora_rank:
+        out = []
+        for _, i, o in _lora_targets(s, shape):
+            for _ in range(shape.layers):
+                out.append((s.lora_rank * i, (s.lora_rank, i), 4))
+                out.append((o * s.lora_rank, (o, s.lora_rank), 4))
+        return out
+    eb = _weight_dtype_bytes(s)
+    return [(p.numel, p.shape, eb) for p in s_params(shape)]
+
+
+def s_params(shape: Shape) -> tuple[Param, ...]:
+    return shape.params
+
+
+def lora_trainable_params(s: Setup) -> int:
+    """Adapter parameters: r x (in + out) per targeted linear, in every block.
+
+    Introduced in chapter 6, section 6.2 (the count); used by the planner of chapter 10.
+    """
+    shape = _shape(s)
+    return sum(s.lora_rank * (i + o) for _, i, o in _lora_targets(s, shape)) * shape.layers if s.lora_rank else 0
+
+
+def weight_bytes(s: Setup) -> int:
+    """Bytes of all weights on the device (frozen base, adapters, NF4 statistics), before ZeRO.
+
+    Introduced in chapter 10, section 10.1.
+    """
+    shape = _shape(s)
+    if s.qlora:
+        total = 0.0
+        for p in shape.params:
+            if p.kind == "linear":
+                n = p.numel
+                stats = n / NF4_BLOCK * ((1 + 4 / DQ_BLOCK) if s.double_quant else 4)
+                total += n * 0.5 + stats
+            else:  # prepare_model_for_kbit_training casts the non-quantized parameters to fp32
+                total += 4 * p.numel
+        return int(total + 4 * lora_trainable_params(s))
+    base = _weight_dtype_bytes(s) * shape.n_params
+    return base + 4 * lora_trainable_params(s)
+
+
+def gradient_bytes(s: Setup) -> int:
+    """Bytes of the gradients of the trainable parameters (their dtype), before ZeRO.
+
+    Introduced in chapter 10, section 10.1.
+    """
+    return sum(n * e for n, _, e in _trainable(s, _shape(s)))
+
+
+def optimizer_state_bytes(s: Setup) -> int:
+    """Bytes of optimizer states on the device, before ZeRO (paged 8-bit states live in unified memory: 0).
+
+    AdamW: two states in the parameter's dtype (8 bytes per fp32 parameter); SGD with momentum: one;
+    Adafactor (transformers): a row and a column vector per matrix, a full vector per 1-D tensor;
+    8-bit AdamW (bitsandbytes): 2 bytes + two fp32 absmaxes per 256 values, 32-bit states for tensors
+    under 4096 values. Chapter 5, section 5.4 measured 8.00, 4.00, 0.01 and 2.04 bytes per parameter.
+
+    Introduced in chapter 10, section 10.1.
+    """
+    opt = s.optimizer
+    total = 0
+    for n, shp, e in _trainable(s, _shape(s)):
+        if opt in ("adamw", "adamw-fused"):
+            total += 2 * n * e
+        elif opt == "sgd-momentum":
+            total += n * e
+        elif opt == "adafactor":
+            total += (math.prod(shp[:-1]) + math.prod(shp[:-2]) * shp[-1]) * e if len(shp) >= 2 else n * e
+        elif opt == "adamw8bit":
+            total += 2 * n + 2 * 4 * math.ceil(n / BNB_OPT_BLOCK) if n >= BNB_MIN_8BIT else 8 * n
+    return int(total)
+
+
+def _zero_share(s: Setup) -> tuple[float, float, float]:
+    """Per-rank fractions of weights, gradients, optimizer states (Rajbhandari et al. 2020)."""
+    w = s.world_size
+    st = s.zero_stage
+    return (1 / w if st >= 3 else 1.0, 1 / w if st >= 2 else 1.0, 1 / w if st >= 1 else 1.0)
+
+
+def autocast_copy_bytes(s: Setup) -> int:
+    """Bytes of the 16-bit copies autocast makes of fp32 matmul weights (0 without fp32 weights + autocast).
+
+    Introduced in chapter 10, section 10.1 (measured in chapter 1, section 1.3 and chapter 5, section 5.1).
+    """
+    if _pclass(s) != "amp":
+        return 0
+    shape = _shape(s)
+    total = 0
+    if not s.qlora and s.precision not in ("bf16", "fp16"):
+        total += 2 * shape.layers * shape.layer_linear_numel()  # block weights, fp32 -> 16 bit
+    if s.qlora or s.precision not in ("bf16", "fp16"):
+        total += 2 * shape.head_linear_numel()  # the head (fp32 also under QLoRA: not quantized)
+    total += 2 * lora_trainable_params(s)
+    return total
+
+
+# ---------------------------------------------------------------------------------------------------
+# Phases and the plan
+# ---------------------------------------------------------------------------------------------------
+
+COMPONENTS = ("weights", "gradients", "optimizer_states", "activations", "autocast_copies", "temporaries")
+PHASES = ("forward", "backward", "optimizer step")
+
+
+@dataclass
+class Plan:
+    """A prediction: bytes by component at the peak, bytes by phase, and the whole-step totals.
+
+    ``components`` are what is alive at the peak moment (they sum to ``peak_bytes``); ``totals`` are
+    the full sizes of each term (all activations, all gradients); ``phases`` the peak of each phase.
+
+    Introduced in chapter 10, section 10.1.
+    """
+
+    setup: Setup
+    components: dict[str, int]
+    phases: dict[str, int]
+    phase_components: dict[str, dict[str, int]]
+    totals: dict[str, int]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda k: self.phases[k])
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / GIB
+
+    def fits(self, budget_gib: float) -> bool:
+        """True when the predicted peak allocated memory is at most ``budget_gib``."""
+        return self.peak_bytes <= budget_gib * GIB
+
+    def table(self) -> pd.DataFrame:
+        """One row per component: bytes and GiB at the peak, the whole-step total, and its source."""
+        rows = [
+            {"component": c, "bytes": self.components.get(c, 0), "GiB": self.components.get(c, 0) / GIB,
+             "total (GiB)": self.totals.get(c, 0) / GIB, "source": SOURCES[c]}
+            for c in COMPONENTS
+        ]
+        rows.append({"component": f"peak ({self.peak_phase})", "bytes": self.peak_bytes, "GiB": self.peak_gib,
+                     "total (GiB)": float("nan"), "source": ""})
+        return pd.DataFrame(rows).set_index("component")
+
+    def explain(self) -> str:
+        """A few lines: the setup, each phase's peak, and what the peak is made of."""
+        lines = [f"setup: {self.setup.label()}"]
+        lines += [f"  {ph:15s} {b / GIB:8.2f} GiB" + ("  <- peak" if ph == self.peak_phase else "")
+                  for ph, b in self.phases.items()]
+        parts = ", ".join(f"{c} {b / GIB:.2f}" for c, b in self.components.items() if b)
+        lines.append(f"peak {self.peak_gib:.2f} GiB in the {self.peak_phase}: {parts} (GiB)")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _loss_bytes(s: Setup, shape: Shape) -> tuple[int, int]:
+    """(forward, backward) transient bytes of a language-model loss: logits and their gradients."""
+    if shape.head != "causal-lm":
+        return 0, 0
+    tv = s.batch * s.seq * shape.vocab
+    fwd = 4 * tv if _pclass(s) == "fp32" else 6 * tv  # the logits (+ their fp32 copy) next to the log-softmax
+    bwd = 8 * tv  # the fp32 gradients of the log-softmax and of the logits (chapter 4, section 4.3)
+    return fwd, bwd
+
+
+def predict(s: Setup, *, backend: str = "cuda") -> Plan:
+    """Predict the peak allocated memory of a steady-state training step of ``s`` (per rank).
+
+    The phases are those of the book's loop (``loss = model(**batch).loss``, ``loss.backward()``,
+    ``optimizer.step()``, ``zero_grad(set_to_none=True)``): the forward pass of step 2 holds the weights,
+    the optimizer states and the activations; the backward pass frees activations as it creates
+    gradients (the planner walks it layer by layer); the optimizer step holds weights, gradients, states
+    and the step's temporaries. Under gradient accumulation the gradients are alive from the second
+    micro-batch on.
+
+    Introduced in chapter 10, section 10.1.
+    """
+    notes = validate(s)
+    shape = _shape(s)
+    pc = _pclass(s)
+    fw, fg, fo = _zero_share(s)
+    L = shape.layers
+    W = int(weight_bytes(s) * fw)
+    G_full = gradient_bytes(s)
+    G = int(G_full * fg)
+    O_full = optimizer_state_bytes(s)
+    O = int(O_full * fo)
+    if s.optimizer == "paged-adamw8bit":
+        notes.append("paged 8-bit AdamW keeps its states in CUDA unified memory, outside torch's allocator")
+    C_all = autocast_copy_bytes(s)
+    C_layer = (C_all - 2 * shape.head_linear_numel() - 2 * lora_trainable_params(s)) // L if C_all else 0
+    C_layer = max(C_layer, 0) + (2 * lora_trainable_params(s) // L if C_all else 0)
+    C_head = C_all - C_layer * L
+    A_layer = layer_activation_bytes(s, backend=backend)
+    A_other = other_activation_bytes(s, backend=backend)
+    ck = _checkpointed_layers(s, L)
+    e_res = 4 if (pc in ("fp32", "amp") and s.precision not in ("bf16", "fp16")) or s.qlora else 2
+    inp = e_res * s.batch * s.seq * shape.hidden  # a checkpointed block keeps only its input
+    stored = [inp if c else A_layer for c in ck]
+    stored_copies = [0 if c else C_layer for c in ck]
+    loss_fwd, loss_bwd = _loss_bytes(s, shape)
+    wide = (4 if pc == "fp32" else 2) * s.batch * s.seq * shape.intermediate
+    T_layer = 2 * wide  # gradients of a block's widest tensors while it runs backward
+
+    # gradients per block and outside the blocks (head first, embeddings last)
+    tr = _trainable(s, shape)
+    g_per_layer = (sum(n * e for n, _, e in tr) if s.lora_rank else
+                   sum(p.numel for p in shape.params if p.kind in ("linear",) or ".layers." in p.name
+                       or ".layer." in p.name) * _weight_dtype_bytes(s)) // (1 if s.lora_rank else 1)
+    if s.lora_rank:
+        g_per_layer = G_full // L
+        g_head = 0
+    else:
+        g_layers = sum(p.numel for p in shape.params if ".layers." in p.name or ".layer." in p.name)
+        g_per_layer = g_layers * _weight_dtype_bytes(s) // L
+        g_head = sum(p.numel for p in shape.params if p.kind == "head") * _weight_dtype_bytes(s)
+    g_per_layer, g_head = int(g_per_layer * fg), int(g_head * fg)
+    G_acc = G if s.grad_accum > 1 else 0
+    gathered = 0
+    if s.zero_stage >= 3 and s.world_size > 1:  # ZeRO-3 gathers one block's weights at a time
+        gathered = shape.layer_linear_numel() * _weight_dtype_bytes(s)
+
+    # forward (step 2: states exist)
+    any_ck = any(ck)
+    fwd_acts = sum(stored) + A_other + (A_layer if any_ck else 0)
+    fwd_copies = C_all  # cached for the whole forward, also under checkpointing
+    forward = {"weights": W + gathered, "gradients": G_acc, "optimizer_states": O, "activations": fwd_acts,
+               "autocast_copies": fwd_copies, "temporaries": loss_fwd}
+
+    # backward: start (loss gradients) then block by block from the top
+    best: dict[str, int] = {}
+    saved_copies_total = sum(stored_copies) + C_head
+    start = {"weights": W + gathered, "gradients": max(G_acc, g_head), "optimizer_states": O,
+             "activations": sum(stored) + A_other, "autocast_copies": saved_copies_total, "temporaries": loss_bwd}
+    best = start
+    for i in reversed(range(L)):
+        done = g_head + (L - i) * g_per_layer
+        below = sum(stored[:i])
+        here = A_layer
+        copies = sum(stored_copies[:i]) + C_layer
+        cur = {"weights": W + gathered, "gradients": max(G_acc, done), "optimizer_states": O,
+               "activations": below + here + A_other - (4 * s.batch * s.seq * shape.vocab if loss_fwd else 0),
+               "autocast_copies": copies, "temporaries": T_layer}
+        if sum(cur.values()) > sum(best.values()):
+            best = cur
+    end = {"weights": W, "gradients": G, "optimizer_states": O, "activations": 0, "autocast_copies": 0,
+           "temporaries": 0}
+    if sum(end.values()) > sum(best.values()):
+        best = end
+    backward = best
+
+    # optimizer step
+    T_opt = 0
+    if s.optimizer == "adamw":
+        T_opt = O // 2  # the multi-tensor step's sqrt(v): one copy of a state (chapter 1, section 1.5)
+    elif s.optimizer == "adafactor":
+        largest = max((n * 4 for n, _, _ in tr), default=0)
+        T_opt = 2 * largest
+    step = {"weights": W, "gradients": G, "optimizer_states": O, "activations": 0, "autocast_copies": 0,
+            "temporaries": T_opt}
+    phase_components = {"forward": forward, "backward": backward, "optimizer step": step}
+    phases = {k: int(sum(v.values())) for k, v in phase_components.items()}
+    peak = max(phases, key=lambda k: phases[k])
+    totals = {"weights": W, "gradients": G, "optimizer_states": O,
+              "activations": L * A_layer + A_other if not any_ck else sum(stored) + A_other,
+              "autocast_copies": C_all, "temporaries": max(T_opt, loss_bwd, T_layer)}
+    return Plan(setup=s, components={k: int(v) for k, v in phase_components[peak].items()}, phases=phases,
+                phase_components=phase_components, totals=totals, notes=notes)
