@@ -758,7 +758,7 @@ def predict(s: Setup, *, backend: str = "cuda") -> Plan:
     stored_copies = [0 if c else C_layer for c in ck]
     loss_fwd, loss_bwd = _loss_bytes(s, shape)
     wide = (4 if pc == "fp32" else 2) * s.batch * s.seq * shape.intermediate
-    T_layer = 2 * wide  # gradients of a block's widest tensors while it runs backward
+    T_layer = wide  # the gradient of a block's widest tensor while it runs backward
 
     # gradients per block and outside the blocks (head first, embeddings last)
     tr = _trainable(s, shape)
@@ -824,3 +824,372 @@ def predict(s: Setup, *, backend: str = "cuda") -> Plan:
               "autocast_copies": C_all, "temporaries": max(T_opt, loss_bwd, T_layer)}
     return Plan(setup=s, components={k: int(v) for k, v in phase_components[peak].items()}, phases=phases,
                 phase_components=phase_components, totals=totals, notes=notes)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Measuring a setup (the book's training loop)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _registry_name(model: Any) -> str | None:
+    return ALIASES.get(model) if isinstance(model, str) else None
+
+
+def _build_model(s: Setup, device: torch.device) -> nn.Module:
+    shape = _shape(s)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(s.precision, torch.float32)
+    if s.qlora:
+        dtype = torch.bfloat16
+    name = _registry_name(s.model)
+    if name is not None:
+        model = _models.build(name, profile=s.profile, head=shape.head, dtype=dtype,
+                              attn_implementation=s.attention, device=device)
+    else:
+        cfg, _ = _resolve_config(s.model, s.profile)
+        with device:
+            model = _models._HEAD_CLASSES[shape.head].from_config(cfg, dtype=dtype, attn_implementation=s.attention)
+    if s.qlora:
+        model = _quantize_nf4(model, s.double_quant)
+    if s.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        task = "SEQ_CLS" if shape.head == "sequence-classification" else "CAUSAL_LM"
+        model = get_peft_model(model, LoraConfig(r=s.lora_rank, lora_alpha=16, lora_dropout=s.lora_dropout,
+                                                 target_modules=list(s.lora_targets), task_type=task))
+        if task == "SEQ_CLS":  # peft trains the classifier of a SEQ_CLS model; the planner counts adapters only
+            for n, p in model.named_parameters():
+                if "lora_" not in n:
+                    p.requires_grad_(False)
+    ck = s.checkpointing
+    if ck not in ("none", None):
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable({"use_reentrant": False})
+        if s.lora_rank or s.qlora:
+            model.enable_input_require_grads()
+        if ck != "full":
+            blocks = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")
+                      and type(m).__name__.endswith(("Layer", "DecoderLayer"))]
+            for i, blk in enumerate(blocks):
+                blk.gradient_checkpointing = i % int(ck) == 0
+    model.train()
+    return model
+
+
+def _quantize_nf4(model: nn.Module, double_quant: bool) -> nn.Module:
+    """Replace the blocks' linears by bitsandbytes NF4 layers and cast the rest to fp32.
+
+    What ``from_pretrained(quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...))`` followed by
+    ``prepare_model_for_kbit_training`` gives (chapter 6, section 6.4), without writing a checkpoint.
+    """
+    import bitsandbytes as bnb
+
+    for parent in list(model.modules()):
+        for cname, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and not any(k in cname for k in ("lm_head", "embed_out", "classifier")):
+                dev = child.weight.device
+                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                      compute_dtype=torch.bfloat16, compress_statistics=double_quant,
+                                      quant_type="nf4", device="meta")
+                q.weight = bnb.nn.Params4bit(child.weight.data.to("cpu"), requires_grad=False,
+                                             compress_statistics=double_quant, quant_type="nf4").to(dev)
+                if child.bias is not None:
+                    q.bias = nn.Parameter(child.bias.data.float(), requires_grad=False)
+                setattr(parent, cname, q)
+                del child
+    for p in model.parameters():
+        p.requires_grad_(False)
+        if p.dtype in (torch.float16, torch.bfloat16):
+            p.data = p.data.float()
+    model.enable_input_require_grads()
+    return model
+
+
+def _make_optimizer(s: Setup, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    if s.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=1e-5)
+    if s.optimizer == "adamw-fused":
+        return torch.optim.AdamW(params, lr=1e-5, fused=True)
+    if s.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=1e-3)
+    if s.optimizer == "sgd-momentum":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+    if s.optimizer == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params)
+    import bitsandbytes as bnb
+
+    cls = bnb.optim.PagedAdamW8bit if s.optimizer == "paged-adamw8bit" else bnb.optim.AdamW8bit
+    return cls(params, lr=1e-5)
+
+
+def measure(s: Setup, device: str | torch.device = "cuda", steps: int = 2, seed: int = 0) -> dict:
+    """Build ``s`` on ``device``, run ``steps`` training steps on random tokens, read the peak.
+
+    The loop is the book's: ``loss = model(**batch).loss`` under autocast (``/ grad_accum`` per
+    micro-batch), ``loss.backward()``, ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=True)``.
+    The peak counter is reset after the model and optimizer are built, so construction transients (the
+    NF4 conversion) are left out; ``peak_allocated_bytes`` is the peak less the memory allocated before
+    the model was built (the cuBLAS workspace is created before that, by a warm-up matmul).
+
+    Returns ``status`` (``"ok"``, ``"oom"`` with ``where``, or ``"skipped"`` with ``why``),
+    ``peak_allocated_bytes``, ``peak_phase``, ``phases`` (peak bytes per phase over all steps) and
+    ``step_s``. On a CPU there is no allocator peak: ``peak_allocated_bytes`` is None and
+    ``accounted_bytes`` gives the last step's weights + gradients + optimizer states + saved
+    activations, counted by ``helpers.accounting`` (what the CPU tests check).
+
+    Introduced in chapter 10, section 10.2.
+    """
+    import gc
+    import time
+
+    from helpers import accounting
+    from helpers import measure as _measure
+
+    validate(s)
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    if s.zero_stage and s.world_size > 1:
+        return {"status": "skipped", "why": "ZeRO needs several processes (chapter 7); the plan uses the formula"}
+    if (s.qlora or s.optimizer in ("adamw8bit", "paged-adamw8bit")) and not cuda:
+        return {"status": "skipped", "why": "bitsandbytes' 4-bit layers and 8-bit optimizers need CUDA"}
+    amp = _pclass(s) == "amp"
+    amp_dtype = torch.float16 if s.precision.startswith("fp16") else torch.bfloat16
+    shape = _shape(s)
+    gen = torch.Generator().manual_seed(seed)
+    model = optimizer = None
+    result: dict[str, Any] = {"status": "ok", "setup": s.label()}
+    phases: dict[str, float] = {p: 0 for p in PHASES}
+    where = "building the model"
+    try:
+        if cuda:
+            a = torch.ones(64, 64, device=dev)
+            for dt in (torch.float32, torch.bfloat16, torch.float16):  # cuBLAS workspaces before the baseline
+                (a.to(dt) @ a.to(dt)).sum().item()
+            del a
+            _measure.synchronize(dev)
+        base = torch.cuda.memory_allocated(dev) if cuda else 0
+        model = _build_model(s, dev)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = _make_optimizer(s, params)
+        scaler = torch.amp.GradScaler(dev.type) if (amp and amp_dtype == torch.float16) else None
+        rec = _measure.PhaseRecorder(dev)
+        times = []
+        saved = 0
+        for step in range(steps):
+            t0 = time.perf_counter()
+            for micro in range(s.grad_accum):
+                ids = torch.randint(0, shape.vocab, (s.batch, s.seq), generator=gen).to(dev)
+                if shape.head == "causal-lm":
+                    labels = ids
+                else:
+                    labels = torch.randint(0, 2, (s.batch,), generator=gen).to(dev)
+                where = f"step {step + 1}: forward"
+                meter = accounting.SavedTensorMeter(model) if step == steps - 1 and micro == 0 else None
+                with rec.phase("forward"), (meter or _null()), torch.autocast(dev.type, dtype=amp_dtype, enabled=amp):
+                    loss = model(input_ids=ids, labels=labels).loss / s.grad_accum
+                if meter is not None:
+                    saved = meter.total_bytes
+                where = f"step {step + 1}: backward"
+                with rec.phase("backward"):
+                    (scaler.scale(loss) if scaler else loss).backward()
+                del loss
+            where = f"step {step + 1}: optimizer step"
+            with rec.phase("optimizer step"):
+                if scaler:
+                    scaler.step(optimizer)
+                    scaler.update()
+                else:
+                    optimizer.step()
+            if step == steps - 1:
+                states = accounting.model_state_bytes(model, optimizer)
+            optimizer.zero_grad(set_to_none=True)
+            _measure.synchronize(dev)
+            times.append(time.perf_counter() - t0)
+        if cuda:
+            frame = rec.to_frame()
+            for ph in PHASES:
+                phases[ph] = int(frame.loc[[ph], "peak_allocated_mib"].max() * 2**20) - base
+            result["peak_allocated_bytes"] = max(phases.values())
+            result["peak_phase"] = max(phases, key=lambda k: phases[k])
+            result["phases"] = phases
+        else:
+            result["peak_allocated_bytes"] = None
+            result["peak_phase"] = None
+            result["phases"] = None
+        result["accounted_bytes"] = {**states, "activations": saved}
+        result["step_s"] = float(pd.Series(times).median())
+    except torch.OutOfMemoryError:
+        result = {"status": "oom", "where": where, "setup": s.label(), "peak_allocated_bytes": None}
+    finally:
+        model = optimizer = None
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return result
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ---------------------------------------------------------------------------------------------------
+# Suggestions, baselines, validation setups
+# ---------------------------------------------------------------------------------------------------
+
+# Relative step-time cost of each change (1.0 = no slower), from the book's measurements: checkpointing
+# recomputes a forward pass (chapter 4: 1.3-2x), 8-bit AdamW and Adafactor slow the step (chapter 5.4),
+# QLoRA dequantizes every matmul (chapter 6.3: ~1.8x LoRA), accumulation only adds launches.
+_CHANGES: list[tuple[str, dict, float]] = [
+    ("fused AdamW (no temporary copy)", {"optimizer": "adamw-fused"}, 1.0),
+    ("SDPA attention", {"attention": "sdpa"}, 1.0),
+    ("bf16 autocast", {"precision": "bf16-autocast"}, 1.0),
+    ("8-bit AdamW", {"optimizer": "adamw8bit"}, 1.05),
+    ("paged 8-bit AdamW", {"optimizer": "paged-adamw8bit"}, 1.07),
+    ("checkpoint every 2nd block", {"checkpointing": 2}, 1.2),
+    ("full gradient checkpointing", {"checkpointing": "full"}, 1.35),
+    ("LoRA r=8 on all block linears", {"lora_rank": 8, "lora_targets": "all"}, 1.0),
+    ("QLoRA r=8 (NF4 base)", {"lora_rank": 8, "lora_targets": "all", "qlora": True, "precision": "bf16"}, 1.8),
+    ("Adafactor", {"optimizer": "adafactor"}, 1.7),
+]
+
+
+def _all_targets(s: Setup) -> tuple[str, ...]:
+    return tuple(n.split(".")[-1] if s.model not in ("bert-large", "bert-large-uncased") else n
+                 for n, _, _ in _shape(s).layer_linears)
+
+
+def suggest(s: Setup, budget_gib: float, *, max_changes: int = 2) -> list[tuple[str, Setup, Plan, float]]:
+    """Changes of ``s`` (one or two at a time, plus halving the batch with accumulation) that fit.
+
+    Returns ``(description, setup, plan, relative_time_cost)`` for every candidate whose predicted peak
+    is at most ``budget_gib``, cheapest first (ties: smaller peak first). The cost is a rough factor on
+    the step time from the chapters' measurements; splitting the batch into micro-batches keeps the
+    effective batch and costs little when the step is launch-bound.
+
+    Introduced in chapter 10, section 10.3.
+    """
+    import itertools
+
+    singles: list[tuple[str, dict, float]] = []
+    for desc, change, cost in _CHANGES:
+        ch = dict(change)
+        if ch.get("lora_targets") == "all":
+            ch["lora_targets"] = _all_targets(s)
+        if all(getattr(s, k) == v for k, v in ch.items()):
+            continue
+        if s.lora_rank and "lora_rank" in ch and not ch.get("qlora"):
+            continue
+        singles.append((desc, ch, cost))
+    b = s.batch
+    while b > 1:
+        b //= 2
+        ga = s.grad_accum * (s.batch // b)
+        singles.append((f"micro-batch {b} x {ga} accumulation steps", {"batch": b, "grad_accum": ga},
+                        1.0 + 0.05 * math.log2(s.batch // b)))
+    out = []
+    seen = set()
+    for k in range(1, max_changes + 1):
+        for combo in itertools.combinations(singles, k):
+            keys = [set(c[1]) for c in combo]
+            if any(a & b_ for a, b_ in itertools.combinations(keys, 2)):
+                continue
+            change: dict = {}
+            for c in combo:
+                change.update(c[1])
+            try:
+                cand = s.replace(**change)
+                validate(cand)
+                p = predict(cand)
+            except (ValueError, KeyError):
+                continue
+            key = cand
+            if key in seen or not p.fits(budget_gib):
+                continue
+            seen.add(key)
+            cost = math.prod(c[2] for c in combo)
+            out.append((" + ".join(c[0] for c in combo), cand, p, cost))
+    out.sort(key=lambda r: (r[3], r[2].peak_bytes))
+    return out
+
+
+def baselines(s: Setup) -> dict[str, int]:
+    """What four published estimators predict for ``s`` (bytes, per rank):
+
+    - ``"4x model size (HF calculator)"``: the Hugging Face model-memory calculator's training rule,
+      4 x the model's size in the setup's weight dtype (``estimates.hf_calculator_training_bytes``).
+    - ``"accelerate estimate-memory (model + Adam states)"``: ``accelerate``'s own
+      ``estimate_training_usage`` (accelerate/commands/estimate.py), called offline on the fp32 size of
+      the model built on the meta device (``calculate_maximum_sizes``), with ``"float32"`` for fp32 and
+      ``"bfloat16"``/``"float16"`` otherwise; the command prints the largest of its terms.
+    - ``"ZeRO paper model states (16 bytes/param)"``: Rajbhandari et al. (2020), mixed-precision Adam,
+      2 + 2 + 12 bytes per parameter, partitioned by ``zero_stage`` over ``world_size``.
+    - ``"transformer-math: model states + Korthikanti activations"``: EleutherAI's Transformer Math 101
+      (Anthony et al. 2023): model states (16 bytes/param for mixed precision, 16 for fp32 AdamW) plus
+      Korthikanti et al. (2022)'s activations ``s*b*h*(34 + 5*a*s/h)`` per layer (the ``5as/h`` term
+      dropped for SDPA), without the "framework overhead" that note adds by hand.
+
+    None of them knows about LoRA, QLoRA, checkpointing or the optimizer's kind.
+
+    Introduced in chapter 10, section 10.2.
+    """
+    from accelerate.commands.estimate import estimate_training_usage
+
+    shape = _shape(s)
+    n = shape.n_params
+    model_bytes = n * (2 if s.precision in ("bf16", "fp16") else 4)
+    mp = {"fp32": "float32", "fp16": "float16", "fp16-autocast": "float16"}.get(s.precision, "bfloat16")
+    acc = max(estimate_training_usage(4 * n, mp).values())
+    stage = ("ddp", "zero1", "zero2", "zero3")[s.zero_stage]
+    zero = estimates.zero_model_state_bytes(n, s.world_size, stage)["total"]
+    act = estimates.korthikanti_activation_bytes(
+        s.seq, s.batch, shape.hidden, shape.heads, layers=shape.layers,
+        attention="eager" if s.attention == "eager" else "flash")
+    return {
+        "4x model size (HF calculator)": int(estimates.hf_calculator_training_bytes(model_bytes)),
+        "accelerate estimate-memory (model + Adam states)": int(acc),
+        "ZeRO paper model states (16 bytes/param)": int(zero),
+        "transformer-math: model states + Korthikanti activations": int(16 * n + act),
+    }
+
+
+_NEOX_ALL = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
+
+
+def _validation_setups() -> list[Setup]:
+    B, N = "bert-large", "gpt-neox-1.3b"
+    S = Setup
+    return [
+        # bert-large, sequence classification, seq 512 unless said
+        S(B, 4, 512, "fp32", "adamw"), S(B, 8, 512, "fp32", "adamw"), S(B, 16, 512, "fp32", "adamw"),
+        S(B, 8, 512, "fp32", "adamw", attention="eager"), S(B, 8, 512, "bf16-autocast", "adamw"),
+        S(B, 8, 512, "bf16-autocast", "adamw", attention="eager"), S(B, 8, 512, "fp16-autocast", "adamw-fused"),
+        S(B, 16, 512, "bf16", "adamw"), S(B, 32, 512, "fp32", "adamw", checkpointing="full"),
+        S(B, 16, 512, "bf16-autocast", "adamw", checkpointing=2), S(B, 2, 512, "fp32", "adamw", grad_accum=4),
+        S(B, 64, 128, "fp32", "sgd-momentum"), S(B, 64, 128, "bf16-autocast", "adafactor"),
+        S(B, 64, 128, "bf16-autocast", "adamw8bit"), S(B, 8, 512, "bf16-autocast", "adamw-fused",
+                                                       lora_rank=8, lora_targets=("query", "value")),
+        S(B, 8, 256, "fp32", "sgd"),
+        # 1.3B GPT-NeoX, causal LM
+        S(N, 4, 256, "fp32", "adamw-fused"), S(N, 4, 256, "bf16-autocast", "adamw"),
+        S(N, 4, 256, "bf16-autocast", "adamw-fused"), S(N, 8, 512, "bf16-autocast", "adamw-fused"),
+        S(N, 4, 256, "fp16", "adamw", attention="eager"), S(N, 16, 256, "fp16", "adamw", attention="eager"),
+        S(N, 16, 256, "fp16", "adamw", attention="eager", checkpointing="full"),
+        S(N, 8, 1024, "bf16-autocast", "adamw-fused", checkpointing="full"),
+        S(N, 8, 512, "bf16", "adamw-fused", checkpointing=4), S(N, 4, 256, "bf16-autocast", "adamw8bit"),
+        S(N, 4, 256, "bf16-autocast", "paged-adamw8bit"), S(N, 4, 256, "bf16-autocast", "adafactor"),
+        S(N, 2, 512, "bf16-autocast", "adamw-fused", grad_accum=4),
+        S(N, 4, 256, "bf16", "adamw-fused", lora_rank=8, lora_targets=_NEOX_ALL),
+        S(N, 8, 512, "bf16", "adamw-fused", lora_rank=16, lora_targets=("query_key_value",)),
+        S(N, 4, 256, "bf16-autocast", "adamw-fused", lora_rank=8, lora_targets=("query_key_value", "dense")),
+        S(N, 4, 256, "bf16", "adamw8bit", lora_rank=8, lora_targets=_NEOX_ALL, qlora=True),
+        S(N, 8, 512, "bf16", "adamw8bit", lora_rank=8, lora_targets=_NEOX_ALL, qlora=True, checkpointing="full"),
+        S(N, 4, 512, "bf16-autocast", "sgd-momentum", attention="eager"),
+    ]
+
+
+VALIDATION_SETUPS: list[Setup] = _validation_setups()
