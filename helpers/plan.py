@@ -411,11 +411,12 @@ def _act_coef(family: str, pclass: str, attention: str, backend: str) -> tuple[f
 # Outside the blocks (embeddings, final norm, head, loss), per token: coefficient of s*b*h by
 # (family, precision class). Language-model heads add the loss's fp32 log-softmax, 4*s*b*V.
 _OTHER_SBH = {
-    ("bert", "fp32"): 9, ("bert", "amp"): 9, ("bert", "half"): 5,
+    ("bert", "fp32"): 9, ("bert", "amp"): 5, ("bert", "half"): 5,
     ("gpt_neox", "fp32"): 8, ("gpt_neox", "amp"): 6, ("gpt_neox", "half"): 4,
     ("llama", "fp32"): 12, ("llama", "amp"): 10, ("llama", "half"): 8,
 }
-_OTHER_SBH_CPU = {("bert", "fp32"): 12, ("bert", "amp"): 12, ("bert", "half"): 6}
+# On CPU BERT's embedding dropout mask has the dtype of the embeddings (fp32) rather than 1 byte.
+_OTHER_SBH_CPU = {("bert", "fp32"): 12, ("bert", "amp"): 8, ("bert", "half"): 6}
 
 
 def _pclass(s: Setup) -> str:
@@ -554,7 +555,10 @@ def other_activation_bytes(s: Setup, *, backend: str = "cuda") -> int:
     k = _OTHER_SBH.get((shape.family, pc), 8)
     if backend == "cpu":
         k = _OTHER_SBH_CPU.get((shape.family, pc), k)
+    if s.lora_rank and shape.head == "causal-lm" and shape.family == "gpt_neox":
+        k = 4  # the frozen LM head no longer saves its input; the final LayerNorm's fp32 input remains
     total = k * tok * shape.hidden
+    total += (20 if pc == "half" else 24) * tok  # token ids for the embedding's backward, norm statistics
     if shape.head == "causal-lm":
         total += 4 * tok * shape.vocab
     return int(total)
@@ -632,7 +636,7 @@ def optimizer_state_bytes(s: Setup) -> int:
     """Bytes of optimizer states on the device, before ZeRO (paged 8-bit states live in unified memory: 0).
 
     AdamW: two states in the parameter's dtype (8 bytes per fp32 parameter); SGD with momentum: one;
-    Adafactor (transformers): a row and a column vector per matrix, a full vector per 1-D tensor;
+    Adafactor (transformers): a row and a column vector per matrix, a full vector per 1-D tensor, fp32;
     8-bit AdamW (bitsandbytes): 2 bytes + two fp32 absmaxes per 256 values, 32-bit states for tensors
     under 4096 values. Chapter 5, section 5.4 measured 8.00, 4.00, 0.01 and 2.04 bytes per parameter.
 
@@ -645,8 +649,8 @@ def optimizer_state_bytes(s: Setup) -> int:
             total += 2 * n * e
         elif opt == "sgd-momentum":
             total += n * e
-        elif opt == "adafactor":
-            total += (math.prod(shp[:-1]) + math.prod(shp[:-2]) * shp[-1]) * e if len(shp) >= 2 else n * e
+        elif opt == "adafactor":  # transformers' Adafactor keeps fp32 states (it upcasts 16-bit gradients)
+            total += (math.prod(shp[:-1]) + math.prod(shp[:-2]) * shp[-1]) * 4 if len(shp) >= 2 else n * 4
         elif opt == "adamw8bit":
             total += 2 * n + 2 * 4 * math.ceil(n / BNB_OPT_BLOCK) if n >= BNB_MIN_8BIT else 8 * n
     return int(total)
@@ -840,8 +844,10 @@ def predict(s: Setup, *, backend: str = "cuda") -> Plan:
     if s.optimizer == "adamw":
         T_opt = Ost // 2  # the multi-tensor step's sqrt(v): one copy of a state (chapter 1, section 1.5)
     elif s.optimizer == "adafactor":
+        # per tensor: the update and the factored estimate (fp32); for 16-bit tensors also fp32 copies of
+        # the gradient and the weight
         largest = max((n * 4 for n, _, _ in tr), default=0)
-        T_opt = 2 * largest
+        T_opt = (2 if _weight_dtype_bytes(s) == 4 or s.lora_rank else 4) * largest
     step = {"weights": W, "gradients": G, "optimizer_states": Ost, "activations": 0, "autocast_copies": 0,
             "temporaries": T_opt}
     phase_components = {"forward": forward, "backward": backward, "optimizer step": step}
@@ -918,7 +924,7 @@ def _quantize_nf4(model: nn.Module, double_quant: bool) -> nn.Module:
                 q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
                                       compute_dtype=torch.bfloat16, compress_statistics=double_quant,
                                       quant_type="nf4", device="meta")
-                q.weight = bnb.nn.Params4bit(child.weight.data.to("cpu"), requires_grad=False, module=q,
+                q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, module=q,
                                              compress_statistics=double_quant, quant_type="nf4").to(dev)
                 if child.bias is not None:
                     q.bias = nn.Parameter(child.bias.data.float(), requires_grad=False)
@@ -991,10 +997,12 @@ def measure(s: Setup, device: str | torch.device = "cuda", steps: int = 2, seed:
     where = "building the model"
     try:
         if cuda:
-            a = torch.ones(64, 64, device=dev)
-            for dt in (torch.float32, torch.bfloat16, torch.float16):  # cuBLAS workspaces before the baseline
-                (a.to(dt) @ a.to(dt)).sum().item()
-            del a
+            # cuBLAS keeps a workspace per thread and stream: create the forward thread's and the autograd
+            # thread's before the baseline, so that the peak counts the training step only.
+            for dt in (torch.float32, torch.bfloat16, torch.float16):
+                a = torch.ones(64, 64, device=dev, dtype=dt, requires_grad=True)
+                (a @ a).float().sum().backward()
+                del a
             _measure.synchronize(dev)
         base = torch.cuda.memory_allocated(dev) if cuda else 0
         model = _build_model(s, dev)
