@@ -85,6 +85,7 @@ GPU_MEMORY_GIB = {
     "H200": 139.8,
 }
 CONTEXT_RESERVE_GIB = 0.75
+NO_BF16_GPUS = ("T4", "V100-16", "V100-32")  # compute capability below 8.0
 
 # Which chapter measured each component (shown by Plan.table()).
 SOURCES = {
@@ -810,12 +811,15 @@ def predict(s: Setup, *, backend: str = "cuda") -> Plan:
     if s.zero_stage >= 3 and s.world_size > 1:  # ZeRO-3 gathers one block's weights at a time
         gathered = shape.layer_linear_numel() * _weight_dtype_bytes(s)
 
-    # forward (step 2: states exist)
+    # forward (step 2: states exist): the larger of two moments, the last block running (a checkpointed
+    # block holds its activations until it returns) and the loss (logits next to the log-softmax).
+    # Autocast's copies stay cached until the forward pass ends, also under checkpointing.
     any_ck = any(ck)
-    fwd_acts = sum(stored) + A_other + (A_layer if any_ck else 0)
-    fwd_copies = C_all  # cached for the whole forward, also under checkpointing
-    forward = {"weights": W + gathered, "gradients": G_acc, "optimizer_states": Ost, "activations": fwd_acts,
-               "autocast_copies": fwd_copies, "temporaries": loss_fwd}
+    in_last = {"weights": W + gathered, "gradients": G_acc, "optimizer_states": Ost,
+               "activations": sum(stored[:-1]) + A_layer, "autocast_copies": C_all - C_head, "temporaries": 0}
+    at_loss = {"weights": W + gathered, "gradients": G_acc, "optimizer_states": Ost,
+               "activations": sum(stored) + A_other, "autocast_copies": C_all, "temporaries": loss_fwd}
+    forward = at_loss if sum(at_loss.values()) >= sum(in_last.values()) else in_last
 
     # backward: start (loss gradients) then block by block from the top
     best: dict[str, int] = {}
@@ -930,11 +934,10 @@ def _quantize_nf4(model: nn.Module, double_quant: bool) -> nn.Module:
                     q.bias = nn.Parameter(child.bias.data.float(), requires_grad=False)
                 setattr(parent, cname, q)
                 del child
-    for p in model.parameters():
+    for p in model.parameters():  # prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         p.requires_grad_(False)
         if p.dtype in (torch.float16, torch.bfloat16):
             p.data = p.data.float()
-    model.enable_input_require_grads()
     return model
 
 
@@ -1088,7 +1091,7 @@ _CHANGES: list[tuple[str, dict, float]] = [
     ("paged 8-bit AdamW", {"optimizer": "paged-adamw8bit"}, 1.07),
     ("checkpoint every 2nd block", {"checkpointing": 2}, 1.2),
     ("full gradient checkpointing", {"checkpointing": "full"}, 1.35),
-    ("LoRA r=8 on all block linears", {"lora_rank": 8, "lora_targets": "all"}, 1.0),
+    ("LoRA r=8 on all block linears, bf16 base", {"lora_rank": 8, "lora_targets": "all", "precision": "bf16"}, 1.0),
     ("QLoRA r=8 (NF4 base)", {"lora_rank": 8, "lora_targets": "all", "qlora": True, "precision": "bf16"}, 1.8),
     ("Adafactor", {"optimizer": "adafactor"}, 1.7),
 ]
@@ -1099,21 +1102,27 @@ def _all_targets(s: Setup) -> tuple[str, ...]:
                  for n, _, _ in _shape(s).layer_linears)
 
 
-def suggest(s: Setup, budget_gib: float, *, max_changes: int = 2) -> list[tuple[str, Setup, Plan, float]]:
+def suggest(s: Setup, budget_gib: float, *, max_changes: int = 2, half: str = "bf16") -> list[tuple[str, Setup, Plan, float]]:
     """Changes of ``s`` (one or two at a time, plus halving the batch with accumulation) that fit.
 
     Returns ``(description, setup, plan, relative_time_cost)`` for every candidate whose predicted peak
     is at most ``budget_gib``, cheapest first (ties: smaller peak first). The cost is a rough factor on
     the step time from the chapters' measurements; splitting the batch into micro-batches keeps the
-    effective batch and costs little when the step is launch-bound.
+    effective batch and costs little when the step is launch-bound. ``half``: the 16-bit type the
+    changes may switch to (``"fp16"`` for GPUs without bf16 tensor cores, the T4 and the V100).
 
     Not used in a chapter yet: chapter 10's planner (its section 10.3).
     """
     import itertools
 
+    if half not in ("bf16", "fp16"):
+        raise ValueError(f"half must be 'bf16' or 'fp16', got {half!r}")
     singles: list[tuple[str, dict, float]] = []
     for desc, change, cost in _CHANGES:
         ch = dict(change)
+        if "precision" in ch:  # GPUs without bf16 (T4, V100) get fp16
+            ch["precision"] = ch["precision"].replace("bf16", half)
+            desc = desc.replace("bf16", half)
         if ch.get("lora_targets") == "all":
             ch["lora_targets"] = _all_targets(s)
         if all(getattr(s, k) == v for k, v in ch.items()):
@@ -1129,10 +1138,14 @@ def suggest(s: Setup, budget_gib: float, *, max_changes: int = 2) -> list[tuple[
                         1.0 + 0.05 * math.log2(s.batch // b)))
     out = []
     seen = set()
+    fitting: set[int] = set()  # single changes that fit alone: no combination needs to add to them
     for k in range(1, max_changes + 1):
-        for combo in itertools.combinations(singles, k):
+        for idx in itertools.combinations(range(len(singles)), k):
+            combo = [singles[i] for i in idx]
             keys = [set(c[1]) for c in combo]
             if any(a & b_ for a, b_ in itertools.combinations(keys, 2)):
+                continue
+            if k > 1 and any(i in fitting for i in idx):
                 continue
             change: dict = {}
             for c in combo:
@@ -1147,6 +1160,8 @@ def suggest(s: Setup, budget_gib: float, *, max_changes: int = 2) -> list[tuple[
             if key in seen or not p.fits(budget_gib):
                 continue
             seen.add(key)
+            if k == 1:
+                fitting.add(idx[0])
             cost = math.prod(c[2] for c in combo)
             out.append((" + ".join(c[0] for c in combo), cand, p, cost))
     out.sort(key=lambda r: (r[3], r[2].peak_bytes))
@@ -1308,6 +1323,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(p.table().drop(columns=["bytes"]).to_string())
     print(p.explain())
     budget = GPU_MEMORY_GIB[args.gpu] - CONTEXT_RESERVE_GIB if args.gpu else args.budget_gib
+    half = "fp16" if args.gpu in NO_BF16_GPUS else "bf16"
+    if args.gpu in NO_BF16_GPUS and "bf16" in s.precision:
+        print(f"note: the {args.gpu} has no bf16 tensor cores (compute capability < 8.0): use fp16 there")
     if budget is None:
         return 0
     where = f"{args.gpu} ({budget:.2f} GiB allocatable)" if args.gpu else f"the budget of {budget:.2f} GiB"
@@ -1315,7 +1333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"verdict: fits {where}: predicted peak {p.peak_gib:.2f} GiB")
         return 0
     print(f"verdict: does NOT fit {where}: predicted peak {p.peak_gib:.2f} GiB")
-    options = suggest(s, budget)
+    options = suggest(s, budget, half=half)
     if not options:
         print("no change of one or two settings makes it fit; try a smaller batch or sequence, or more GPUs")
         return 1

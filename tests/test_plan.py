@@ -154,6 +154,10 @@ def test_suggest_returns_only_fitting_plans_sorted_by_cost():
     assert all(p.fits(budget) and p.peak_gib <= budget for _, _, p, _ in out)
     costs = [c for *_, c in out]
     assert costs == sorted(costs)
+    fits_alone = {d for d, *_ in out if " + " not in d}
+    assert not any(part in fits_alone for d, *_ in out if " + " in d for part in d.split(" + "))
+    fp16 = plan.suggest(s, budget, half="fp16")
+    assert not any("bf16" in c.precision for _, c, _, _ in fp16)
 
 
 def test_baselines_have_the_four_estimators():
