@@ -978,9 +978,7 @@ def measure(s: Setup, device: str | torch.device = "cuda", steps: int = 2, seed:
     Not used in a chapter yet: chapter 10's planner (its section 10.2).
     """
     import gc
-    import time
 
-    from helpers import accounting
     from helpers import measure as _measure
 
     validate(s)
@@ -990,14 +988,7 @@ def measure(s: Setup, device: str | torch.device = "cuda", steps: int = 2, seed:
         return {"status": "skipped", "why": "ZeRO needs several processes (chapter 7); the plan uses the formula"}
     if s.optimizer in ("adamw8bit", "paged-adamw8bit") and not cuda:
         return {"status": "skipped", "why": "bitsandbytes' 8-bit optimizers need CUDA"}
-    amp = _pclass(s) == "amp"
-    amp_dtype = torch.float16 if s.precision.startswith("fp16") else torch.bfloat16
-    shape = _shape(s)
-    gen = torch.Generator().manual_seed(seed)
-    model = optimizer = None
-    result: dict[str, Any] = {"status": "ok", "setup": s.label()}
-    phases: dict[str, float] = {p: 0 for p in PHASES}
-    where = "building the model"
+    where = ["building the model"]
     try:
         if cuda:
             # cuBLAS keeps a workspace per thread and stream: create the forward thread's and the autograd
@@ -1008,63 +999,76 @@ def measure(s: Setup, device: str | torch.device = "cuda", steps: int = 2, seed:
                 del a
             _measure.synchronize(dev)
         base = torch.cuda.memory_allocated(dev) if cuda else 0
-        model = _build_model(s, dev)
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = _make_optimizer(s, params)
-        scaler = torch.amp.GradScaler(dev.type) if (amp and amp_dtype == torch.float16) else None
-        rec = _measure.PhaseRecorder(dev)
-        times = []
-        saved = 0
-        for step in range(steps):
-            t0 = time.perf_counter()
-            for micro in range(s.grad_accum):
-                ids = torch.randint(0, shape.vocab, (s.batch, s.seq), generator=gen).to(dev)
-                if shape.head == "causal-lm":
-                    labels = ids
-                else:
-                    labels = torch.randint(0, 2, (s.batch,), generator=gen).to(dev)
-                where = f"step {step + 1}: forward"
-                meter = accounting.SavedTensorMeter(model) if step == steps - 1 and micro == 0 else None
-                with rec.phase("forward"), (meter or _null()), torch.autocast(dev.type, dtype=amp_dtype, enabled=amp):
-                    loss = model(input_ids=ids, labels=labels).loss / s.grad_accum
-                if meter is not None:
-                    saved = meter.total_bytes
-                where = f"step {step + 1}: backward"
-                with rec.phase("backward"):
-                    (scaler.scale(loss) if scaler else loss).backward()
-                del loss
-            where = f"step {step + 1}: optimizer step"
-            with rec.phase("optimizer step"):
-                if scaler:
-                    scaler.step(optimizer)
-                    scaler.update()
-                else:
-                    optimizer.step()
-            if step == steps - 1:
-                states = accounting.model_state_bytes(model, optimizer)
-            optimizer.zero_grad(set_to_none=True)
-            _measure.synchronize(dev)
-            times.append(time.perf_counter() - t0)
-        if cuda:
-            frame = rec.to_frame()
-            for ph in PHASES:
-                phases[ph] = int(frame.loc[[ph], "peak_allocated_mib"].max() * 2**20) - base
-            result["peak_allocated_bytes"] = max(phases.values())
-            result["peak_phase"] = max(phases, key=lambda k: phases[k])
-            result["phases"] = phases
-        else:
-            result["peak_allocated_bytes"] = None
-            result["peak_phase"] = None
-            result["phases"] = None
-        result["accounted_bytes"] = {**states, "activations": saved}
-        result["step_s"] = float(pd.Series(times).median())
+        result = _train(s, dev, steps, seed, base, where)
     except torch.OutOfMemoryError:
-        result = {"status": "oom", "where": where, "setup": s.label(), "peak_allocated_bytes": None}
+        result = {"status": "oom", "where": where[0], "setup": s.label(), "peak_allocated_bytes": None}
     finally:
-        model = optimizer = None
-        gc.collect()
+        gc.collect()  # everything _train built is unreachable once it has returned or raised
         if cuda:
             torch.cuda.empty_cache()
+    return result
+
+
+def _train(s: Setup, dev: torch.device, steps: int, seed: int, base: int, where: list[str]) -> dict:
+    """The body of ``measure``: its locals (model, optimizer, batches) die with the call."""
+    import gc
+    import time
+
+    from helpers import accounting
+    from helpers import measure as _measure
+
+    cuda = dev.type == "cuda"
+    amp = _pclass(s) == "amp"
+    amp_dtype = torch.float16 if s.precision.startswith("fp16") else torch.bfloat16
+    shape = _shape(s)
+    gen = torch.Generator().manual_seed(seed)
+    result: dict[str, Any] = {"status": "ok", "setup": s.label()}
+    phases: dict[str, int] = {p: 0 for p in PHASES}
+    model = _build_model(s, dev)
+    optimizer = _make_optimizer(s, [p for p in model.parameters() if p.requires_grad])
+    gc.collect()  # construction leftovers (the 16-bit weights an NF4 conversion replaced)
+    scaler = torch.amp.GradScaler(dev.type) if (amp and amp_dtype == torch.float16) else None
+    rec = _measure.PhaseRecorder(dev)
+    times = []
+    saved = 0
+    states: dict[str, int] = {}
+    for step in range(steps):
+        t0 = time.perf_counter()
+        for micro in range(s.grad_accum):
+            ids = torch.randint(0, shape.vocab, (s.batch, s.seq), generator=gen).to(dev)
+            labels = ids if shape.head == "causal-lm" else torch.randint(0, 2, (s.batch,), generator=gen).to(dev)
+            where[0] = f"step {step + 1}: forward"
+            meter = accounting.SavedTensorMeter(model) if step == steps - 1 and micro == 0 else None
+            with rec.phase("forward"), (meter or _null()), torch.autocast(dev.type, dtype=amp_dtype, enabled=amp):
+                loss = model(input_ids=ids, labels=labels).loss / s.grad_accum
+            if meter is not None:
+                saved = meter.total_bytes
+            where[0] = f"step {step + 1}: backward"
+            with rec.phase("backward"):
+                (scaler.scale(loss) if scaler else loss).backward()
+            del loss
+        where[0] = f"step {step + 1}: optimizer step"
+        with rec.phase("optimizer step"):
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+        if step == steps - 1:
+            states = accounting.model_state_bytes(model, optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        _measure.synchronize(dev)
+        times.append(time.perf_counter() - t0)
+    if cuda:
+        frame = rec.to_frame()
+        for ph in PHASES:
+            phases[ph] = int(frame.loc[[ph], "peak_allocated_mib"].max() * 2**20) - base
+        result.update(peak_allocated_bytes=max(phases.values()), peak_phase=max(phases, key=lambda k: phases[k]),
+                      phases=phases)
+    else:
+        result.update(peak_allocated_bytes=None, peak_phase=None, phases=None)
+    result["accounted_bytes"] = {**states, "activations": saved}
+    result["step_s"] = float(pd.Series(times).median())
     return result
 
 
