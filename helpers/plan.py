@@ -30,6 +30,23 @@ Every term is a count, not a fit to GPU measurements:
 - temporaries: the multi-tensor AdamW step's one copy of the states (chapter 1, section 1.5), the loss's
   fp32 logits and their gradients for language-model heads (chapter 4, section 4.3), one layer's
   recomputed activations under checkpointing (chapter 4), Adafactor's per-parameter buffers.
+
+How sure each term is (what a GPU run should check first):
+
+- counted exactly on CPU and matching the book's GPU runs to about 1%: model states of every optimizer
+  (chapter 5's table: 6.31/5.41/4.16/2.91/3.55/2.92 GiB against 6.24/5.36/4.11/2.87/3.50/2.86 predicted,
+  the rest being the chapter's 65 MiB baseline), bert-large's saved activations (3.12 GiB at 4 x 512),
+  the 1.3B model's in fp32, bf16 autocast, LoRA and QLoRA (chapter 6), and the fp16 batch sweep of
+  chapter 4 (16.72 and 26.01 GiB measured, 16.84 and 26.12 predicted);
+- reasoned, not yet seen on a GPU: BERT's eager attention under autocast (7 bytes per score: CUDA's
+  autocast runs softmax in fp32), GPT-NeoX with SDPA and 16-bit weights (the CPU count, 16sbh), Llama
+  (CPU counts only), the checkpointing schedule's every-k variant, Adafactor's step buffers;
+- known gap: chapter 6's QLoRA step peaked 0.3 GiB above the sum of these terms (its peak includes
+  loading the quantized checkpoint, which ``measure`` leaves out).
+
+``measure`` leaves out what is allocated before the model is built, including the cuBLAS workspaces
+(created by a warm-up matmul in both the forward and the autograd thread), so its peak is the training
+step's own; the planner's GPU budgets subtract ``CONTEXT_RESERVE_GIB`` for the CUDA context and these.
 """
 
 from __future__ import annotations
@@ -1349,3 +1366,36 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def error_table(rows: Sequence[tuple[Setup, dict]]) -> pd.DataFrame:
+    """Predicted vs measured peak for each ``(setup, measure(setup))`` pair, with the four baselines.
+
+    Columns: ``setup``, ``family``, ``predicted (GiB)``, ``measured (GiB)``, ``error (%)`` (signed,
+    predicted over measured), ``predicted phase``, ``measured phase``, and the signed error of each
+    estimator of ``baselines``. Rows whose measurement did not run (out of memory, skipped) keep NaN
+    errors. ``error_summary`` gives the median and max of the absolute errors.
+
+    Not used in a chapter yet: chapter 10's planner (its section 10.2).
+    """
+    out = []
+    for s, m in rows:
+        p = predict(s)
+        meas = m.get("peak_allocated_bytes") if m.get("status") == "ok" else None
+        row = {"setup": s.label(), "family": _shape(s).family, "predicted (GiB)": p.peak_gib,
+               "measured (GiB)": meas / GIB if meas else float("nan"),
+               "error (%)": 100 * (p.peak_bytes / meas - 1) if meas else float("nan"),
+               "predicted phase": p.peak_phase, "measured phase": m.get("peak_phase")}
+        for name, b in baselines(s).items():
+            row[f"{name}: error (%)"] = 100 * (b / meas - 1) if meas else float("nan")
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+def error_summary(table: pd.DataFrame, column: str = "error (%)") -> dict[str, float]:
+    """Median and max absolute error (%) of a column of ``error_table``, and how many rows were measured.
+
+    Not used in a chapter yet: chapter 10's planner (its section 10.2).
+    """
+    err = table[column].dropna().abs()
+    return {"median_abs_pct": float(err.median()), "max_abs_pct": float(err.max()), "rows": int(err.size)}

@@ -202,3 +202,14 @@ def test_measure_runs_on_cpu_and_accounts_the_model_states():
     acc = r["accounted_bytes"]
     assert acc["weights"] == plan.weight_bytes(s) and acc["optimizer_states"] == plan.optimizer_state_bytes(s)
     assert plan.measure(s.replace(optimizer="adamw8bit"), device="cpu")["status"] == "skipped"
+
+
+def test_error_table_and_summary():
+    s = plan.Setup(model="bert-large", batch=4, seq=512, precision="fp32")
+    p = plan.predict(s)
+    rows = [(s, {"status": "ok", "peak_allocated_bytes": int(p.peak_bytes / 1.05), "peak_phase": "backward"}),
+            (s.replace(batch=8), {"status": "oom", "peak_allocated_bytes": None})]
+    table = plan.error_table(rows)
+    assert table.loc[0, "error (%)"] == pytest.approx(5.0, rel=1e-3)
+    summary = plan.error_summary(table)
+    assert summary["rows"] == 1 and summary["max_abs_pct"] == pytest.approx(5.0, rel=1e-3)
