@@ -37,7 +37,7 @@ How sure each term is (what a GPU run should check first):
   (chapter 5's table: 6.31/5.41/4.16/2.91/3.55/2.92 GiB against 6.24/5.36/4.11/2.87/3.50/2.86 predicted,
   the rest being the chapter's 65 MiB baseline), bert-large's saved activations (3.12 GiB at 4 x 512),
   the 1.3B model's in fp32, bf16 autocast, LoRA and QLoRA (chapter 6), and the fp16 batch sweep of
-  chapter 4 (16.72 and 26.01 GiB measured, 16.84 and 26.12 predicted);
+  chapter 4 (17.05 and 26.34 GiB measured above a 0.32 GiB baseline, 16.84 and 26.12 predicted);
 - reasoned, not yet seen on a GPU: BERT's eager attention under autocast (7 bytes per score: CUDA's
   autocast runs softmax in fp32), GPT-NeoX with SDPA and 16-bit weights (the CPU count, 16sbh), Llama
   (CPU counts only), the checkpointing schedule's every-k variant, Adafactor's step buffers;
