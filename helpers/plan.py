@@ -1229,6 +1229,7 @@ def baselines(s: Setup) -> dict[str, int]:
     }
 
 
+DEFAULT_LORA_TARGETS = {"bert": ("query", "value"), "gpt_neox": ("query_key_value",), "llama": ("q_proj", "v_proj")}
 _NEOX_ALL = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
 
 
@@ -1301,7 +1302,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--checkpointing", type=_checkpointing, default="none", help="none | full | k (every k-th block)")
     ap.add_argument("--attention", default="sdpa", choices=ATTENTIONS)
     ap.add_argument("--lora-rank", type=_positive_int, default=None)
-    ap.add_argument("--lora-targets", default="query_key_value", help="comma-separated module names")
+    ap.add_argument("--lora-targets", default=None,
+                    help="comma-separated module names (default: the attention's query and value projections)")
     ap.add_argument("--qlora", action="store_true")
     ap.add_argument("--no-double-quant", action="store_true")
     ap.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
@@ -1327,9 +1329,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--budget-gib must be a positive number, got {args.budget_gib}")
     s = Setup(model=args.model, batch=args.batch, seq=args.seq, precision=args.precision, optimizer=args.optimizer,
               grad_accum=args.grad_accum, checkpointing=args.checkpointing, attention=args.attention,
-              lora_rank=args.lora_rank, lora_targets=tuple(t for t in args.lora_targets.split(",") if t),
+              lora_rank=args.lora_rank, lora_targets=tuple(t for t in (args.lora_targets or "").split(",") if t),
               qlora=args.qlora, double_quant=not args.no_double_quant, zero_stage=args.zero_stage,
               world_size=args.world_size, profile=args.profile)
+    if args.lora_targets is None:
+        try:
+            family = _shape(s).family
+        except ValueError as exc:
+            ap.error(str(exc))
+        s = s.replace(lora_targets=DEFAULT_LORA_TARGETS[family])
     needs_bnb = s.qlora or s.optimizer in ("adamw8bit", "paged-adamw8bit")
     if needs_bnb:
         try:

@@ -213,3 +213,14 @@ def test_error_table_and_summary():
     assert table.loc[0, "error (%)"] == pytest.approx(5.0, rel=1e-3)
     summary = plan.error_summary(table)
     assert summary["rows"] == 1 and summary["max_abs_pct"] == pytest.approx(5.0, rel=1e-3)
+
+
+def test_cli_reads_a_config_json(tmp_path, capsys):
+    cfg = models.config("llama-2-7b", "full")
+    cfg.save_pretrained(tmp_path)
+    code = plan.main(["--model", str(tmp_path / "config.json"), "--batch", "1", "--seq", "512", "--precision", "bf16",
+                      "--lora-rank", "16", "--qlora", "--optimizer", "paged-adamw8bit", "--budget-gib", "14"])
+    out = capsys.readouterr().out
+    assert code == 0 and "fits" in out and "qlora r16" in out
+    s = plan.Setup(model=str(tmp_path / "config.json"), lora_rank=16, lora_targets=("q_proj", "v_proj"), qlora=True)
+    assert plan.shape(s).family == "llama" and plan.shape(s).n_params == plan.shape(plan.Setup("llama-2-7b")).n_params
