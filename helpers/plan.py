@@ -812,9 +812,6 @@ def predict(s: Setup, *, backend: str = "cuda") -> Plan:
 
     # gradients per block and outside the blocks (head first, embeddings last)
     tr = _trainable(s, shape)
-    g_per_layer = (sum(n * e for n, _, e in tr) if s.lora_rank else
-                   sum(p.numel for p in shape.params if p.kind in ("linear",) or ".layers." in p.name
-                       or ".layer." in p.name) * _weight_dtype_bytes(s)) // (1 if s.lora_rank else 1)
     if s.lora_rank:
         g_per_layer = G_full // L
         g_head = 0
