@@ -1174,7 +1174,7 @@ def suggest(s: Setup, budget_gib: float, *, max_changes: int = 2, half: str = "b
                 p = predict(cand)
             except (ValueError, KeyError):
                 continue
-            key = cand
+            key = tuple(getattr(cand, f.name) for f in dataclasses.fields(cand) if f.name != "model")
             if key in seen or not p.fits(budget_gib):
                 continue
             seen.add(key)
