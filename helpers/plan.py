@@ -815,6 +815,11 @@ def predict(s: Setup, *, backend: str = "cuda") -> Plan:
     C_layer = (C_all - 2 * shape.head_linear_numel() - 2 * lora_trainable_params(s)) // L if C_all else 0
     C_layer = max(C_layer, 0) + (2 * lora_trainable_params(s) // L if C_all else 0)
     C_head = C_all - C_layer * L
+    if s.zero_stage >= 3 and s.world_size > 1 and C_all:
+        # ZeRO-3 / FSDP gather one block at a time and free it after use: the 16-bit copies are made from
+        # the gathered weights and do not outlive the block (formula; chapter 7 measured the shards only)
+        C_all = C_layer + C_head
+        notes.append("ZeRO-3: autocast copies counted for one gathered block at a time")
     A_layer = layer_activation_bytes(s, backend=backend)
     A_other = other_activation_bytes(s, backend=backend)
     ck = _checkpointed_layers(s, L)
