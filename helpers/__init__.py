@@ -35,6 +35,9 @@ Time and memory over time (chapter 8)
 Communication (written for chapter 7; not yet used by a chapter)
 - ``collectives`` collectives timed in launched processes (nccl-tests' bus bandwidth), and read from a trace
 
+Planning (chapter 10)
+- ``plan``        predict a training step's peak memory by term and phase, suggest changes, measure, CLI
+
 Showing results
 - ``plots``       one figure style, stacked memory bars, line series
 - ``glue``        glue numbers into the book's prose
