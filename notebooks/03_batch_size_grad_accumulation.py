@@ -324,6 +324,7 @@ for ax, (name, df) in zip(axes, sweep.items()):
         ax.plot([b_stop], [0.02 * best], "x", color="C3", markersize=10, markeredgewidth=2, clip_on=False,
                 label="out of memory")
     ax.set_xscale("log", base=2)
+    ax.set_xticks(list(df.index), [str(b) for b in df.index])
     ax.set_ylim(bottom=0, top=1.15 * best)
     ax.set_title(f"{name}: flat from batch {sat}" if why == "flat" else f"{name}: still rising at batch "
                  f"{ok.index.max()} ({why})", fontsize=10)
@@ -712,7 +713,8 @@ else:
     ax_mem.text(0.5, 0.5, "peak memory is measured on a GPU", ha="center", va="center", transform=ax_mem.transAxes)
 ax_mem.set_ylabel("peak allocated (GiB)")
 ax_speed.bar(x[fits], cost["samples/s"].to_numpy()[fits], color="C0", label="throughput (median of 10 updates)")
-ax_speed.plot(x[~fits], [0] * int((~fits).sum()), "x", color="k", markersize=10, markeredgewidth=2, clip_on=False)
+if (~fits).any():  # (an empty plot with clip_on=False upsets tight_layout)
+    ax_speed.plot(x[~fits], [0] * int((~fits).sum()), "x", color="k", markersize=10, markeredgewidth=2, clip_on=False)
 ax_speed.set_ylabel("throughput (samples/s)")
 for ax in (ax_mem, ax_speed):
     ax.set_xticks(x, cost.index, rotation=20)
@@ -875,8 +877,8 @@ epoch
 # %% tags=["remove-input"]
 cmp_tr = timing.compare(epoch_timed, "hand-written loop")["Trainer"]
 if prof.on_gpu:
-    peaks = (f" with a peak of {epoch.loc['Trainer', 'peak allocated (GiB)']:.2f} GiB against "
-             f"{epoch.loc['hand-written loop', 'peak allocated (GiB)']:.2f} GiB")
+    peaks = (f", with peaks of {epoch.loc['Trainer', 'peak allocated (GiB)']:.2f} GiB (Trainer) and "
+             f"{epoch.loc['hand-written loop', 'peak allocated (GiB)']:.2f} GiB (loop)")
     display(Markdown(
         f"The `Trainer` processed {epoch.loc['Trainer', 'samples/s']:.1f} samples/s, the hand-written loop "
         f"{epoch.loc['hand-written loop', 'samples/s']:.1f}{peaks}: the Trainer is "
