@@ -37,8 +37,8 @@
 # - why averaging per-micro-batch losses is wrong for sequences of different lengths, and the fix.
 #
 # **Prerequisites:** chapter 1 (the four memory numbers, activations, the emulated T4). The
-# [setup page](../book/setup.md) explains the run profiles; numbers quoted in the text come from the
-# full-size run on the GPU named in the first output below.
+# [setup page](../book/setup.md) explains the run profiles. Sentences that quote numbers are written by the
+# notebook from its own run, so on your machine they describe your run (the first output names the GPU).
 
 # %%
 import sys
@@ -72,21 +72,30 @@ prof = profiles.get()
 env.report(prof)
 
 # %% [markdown]
-# Some experiments emulate Colab's T4 on a larger card, as in chapter 1: PyTorch's allocator is capped at
-# the T4's 14.75 GiB minus what this process's CUDA context takes, which the allocator never sees. We
-# measure the context now, before anything else is on the card, after one matrix product in each dtype so
-# that cuBLAS is loaded.
+# Some experiments emulate Colab's T4 on a larger card, as in chapter 1: `measure.t4_budget` caps PyTorch's
+# allocator at the T4's 14.75 GiB minus what this process's CUDA context takes, which the allocator never
+# sees. We measure the context now, before anything else is on the card, after one matrix product in each
+# dtype so that cuBLAS is loaded. The allocated memory at this point is the chapter's baseline: the last cell
+# checks that the chapter gives everything back. Speed is measured with chapter 8's `timing.time_it` (warm-up,
+# at least ten repeats with their spread, wall, host and GPU clocks, and the fraction of the time the GPU was
+# busy), which this chapter uses before chapter 8 explains it in full.
 
 # %%
-t4_budget_gib = None
+from IPython.display import Markdown, display
+
+from helpers import timing
+
+t4_budget_gib, chapter_baseline_mib = None, 0.0
 if profiles.cuda_or_skip("emulating a T4 needs a GPU"):
     nvml_before = measure.nvml_used_mib()
     for dtype in (torch.float32, torch.float16):
         torch.ones(256, 256, device="cuda", dtype=dtype) @ torch.ones(256, 256, device="cuda", dtype=dtype)
-    context_gib = (measure.nvml_used_mib() - nvml_before) * MIB / GIB - torch.cuda.memory_reserved() / GIB
-    t4_budget_gib = measure.T4_MEMORY_GIB - context_gib
+    budget = measure.t4_budget(nvml_before)
+    t4_budget_gib = budget.budget_gib
+    chapter_baseline_mib = torch.cuda.memory_allocated() / MIB
     glue("t4_budget_gib", t4_budget_gib)
-    print(f"emulated T4: allocator capped at {t4_budget_gib:.2f} GiB = 14.75 GiB - {context_gib:.2f} GiB (CUDA context)")
+    print(f"emulated T4: {budget.describe()}")
+    print(f"allocated at the start (the chapter's baseline): {chapter_baseline_mib:,.1f} MiB")
 
 # %% [markdown]
 # ## 3.1 What a larger batch costs and buys
@@ -94,7 +103,7 @@ if profiles.cuda_or_skip("emulating a T4 needs a GPU"):
 # Two models, each with the setup of the source it comes from: `bert-large-uncased` for classification in
 # fp32 at 512 tokens, as in the Hugging Face guide, and the GPT-NeoX shape of `polyglot-ko-1.3b` as a causal
 # language model with fp16 weights and eager attention at 256 tokens, as in the LLM book (chapter 1 showed
-# that pure fp16 AdamW breaks training; for memory and time it is the seeds' setup, so we keep it). The data
+# that pure fp16 AdamW breaks training; for memory and time it is the LLM book's setup, so we keep it). The data
 # are random token ids: memory and time do not depend on them.
 #
 # Two small functions carry the whole chapter. `make_batch` builds a batch; `train_step` is one plain
@@ -135,20 +144,24 @@ def train_step(model, optimizer, batch):
 
 
 # %% [markdown]
-# For each batch size we time the training step (median of three after a warm-up step, which also creates
-# AdamW's states) and then run one more step phase by phase. After the forward pass, allocated memory is
-# the fixed part (weights and optimizer states; the gradients were dropped by the last `zero_grad`) plus the
-# activations of this batch. `SavedTensorMeter` counts those activations independently of the device, and
-# the peak over the three phases is what the card must hold. Each batch size runs through
-# `batching.try_batch`, which turns an out-of-memory error into a row of the table instead of a crash (on
-# a T4 the larger batches of this sweep do not fit; on the GPU of this run they all do).
+# For each batch size we time the training step with `timing.time_it` (a warm-up step, which also creates
+# AdamW's states, then ten timed steps: the median, the spread, the host's time to issue the step and the
+# GPU-busy fraction from one profiled step) and then run one more step phase by phase. After the forward pass,
+# allocated memory is the fixed part (weights and optimizer states; the gradients were dropped by the last
+# `zero_grad`) plus the activations of this batch. `SavedTensorMeter` counts those activations independently
+# of the device, and the peak over the three phases is what the card must hold. Each batch size runs through
+# `batching.try_batch`, which turns an out-of-memory error into a row of the table instead of a crash.
+#
+# The sweep doubles the batch until throughput stops growing (a doubling that adds less than 5%), memory
+# runs out (shown as a marker), or the next point would overrun the section's time budget.
 
 # %%
 def measure_batch(name, model, optimizer, batch_size):
     """Step time, throughput and memory of one batch size (memory columns are NaN on a CPU)."""
     batch = make_batch(name, batch_size)
     seq_len = SETUPS[name]["seq_len"]
-    timing = measure.time_fn(lambda: train_step(model, optimizer, batch), device=prof.device, warmup=1, repeat=3)
+    timed = timing.time_it(lambda: train_step(model, optimizer, batch), device=prof.device, warmup=1, repeat=10,
+                           profile_steps=1)
     rec = measure.PhaseRecorder(prof.device)
     try:
         with rec.phase("forward"), accounting.SavedTensorMeter(model) as saved:
@@ -162,25 +175,48 @@ def measure_batch(name, model, optimizer, batch_size):
     phases = rec.to_frame()
     fixed = accounting.param_bytes(model) + accounting.optimizer_state_bytes(optimizer)
     return {
-        "step time (s)": timing.median_s,
-        **{k.replace("_per_s", "/s"): v for k, v in flops.throughput(batch_size, seq_len, timing.median_s).items()},
+        "step time (s)": timed.median_s,
+        "step IQR (ms)": timed.wall.iqr * 1e3,
+        **{k.replace("_per_s", "/s"): v for k, v in flops.throughput(batch_size, seq_len, timed.median_s).items()},
+        "host enqueue (s)": timed.host.median if prof.on_gpu else float("nan"),
+        "GPU busy": timed.gpu_busy if timed.gpu_busy is not None else float("nan"),
+        "verdict": timed.verdict,
         "weights + optimizer states (GiB)": fixed / GIB,
         "saved activations (GiB)": saved.total_bytes / GIB,
         "allocated after forward (GiB)": phases.loc["forward", "allocated_mib"] * MIB / GIB,
         "peak of the step (GiB)": phases["peak_allocated_mib"].max() * MIB / GIB,
-    }
+    }, timed
 
 
-batch_sizes = prof.pick(tiny=[1, 2, 4, 8], full=[1, 2, 4, 8, 16, 32])
-sweep = {}
+FLAT_GAIN = 1.05  # a doubling of the batch that adds less than 5% samples/s: throughput has flattened
+max_batch, sweep_budget_s = prof.pick(tiny=8, full=256), prof.pick(tiny=10.0, full=35.0)
+CALLS_PER_POINT = 14  # time_it's 1 warm-up + 10 timed + 2 profiled steps, and the phase-by-phase step
+sweep, sweep_timed, sweep_stop = {}, {}, {}
 for name in SETUPS:
     model, optimizer = build(name)
-    rows = {}
-    for bs in batch_sizes:
+    rows, bs, start = {}, 1, time.perf_counter()
+    while True:
         attempt = batching.try_batch(lambda b, n=name, m=model, o=optimizer: measure_batch(n, m, o, b), bs)
-        rows[bs] = attempt.value if attempt.fits else {"result": f"out of memory ({attempt.error})"}
+        if not attempt.fits:
+            rows[bs] = {"result": f"out of memory ({attempt.error})"}
+            sweep_stop[name] = ("out of memory", bs)
+            break
+        row, sweep_timed[(name, bs)] = attempt.value
+        rows[bs] = {"result": "fits", **row}
+        gain = row["samples/s"] / rows[bs // 2]["samples/s"] if bs > 1 else float("inf")
+        next_cost_s = 2 * row["step time (s)"] * CALLS_PER_POINT  # about twice this point's time
+        if gain < FLAT_GAIN:
+            sweep_stop[name] = ("flat", bs)
+        elif 2 * bs > max_batch:
+            sweep_stop[name] = ("largest batch of the sweep", bs)
+        elif time.perf_counter() - start + next_cost_s > sweep_budget_s:
+            sweep_stop[name] = ("time budget", bs)
+        else:
+            bs *= 2
+            continue
+        break
     sweep[name] = pd.DataFrame.from_dict(rows, orient="index").rename_axis("batch")
-    cleanup.free(globals(), "model", "optimizer")
+    cleanup.free(globals(), "model", "optimizer", "attempt", "row")
 sweep["bert-large-uncased"]
 
 # %%
@@ -208,80 +244,146 @@ for name, df in sweep.items():
         "saved activations per sample (MiB)": (ok["saved activations (GiB)"] / ok.index).median() * GIB / MIB,
         "batch reaching 95% of best samples/s": int(ok.index[ok["samples/s"] >= 0.95 * best].min()),
         "best samples/s": best,
+        "sweep stopped": f"{sweep_stop[name][0]} at batch {sweep_stop[name][1]}",
     }
-fit = pd.DataFrame(fit_rows).T
+fit = pd.DataFrame(fit_rows).T.infer_objects()
 if prof.is_full and prof.on_gpu:
     for key, name in (("bert", "bert-large-uncased"), ("llm", "polyglot-ko-1.3b")):
         glue(f"{key}_fixed_fit_gib", fit.loc[name, "fixed part, fitted (GiB)"])
-        glue(f"{key}_fixed_acc_gib", fit.loc[name, "weights + optimizer states (GiB)"])
         glue(f"{key}_per_sample_mib", fit.loc[name, "per sample, fitted (MiB)"])
-        glue(f"{key}_saved_per_sample_mib", fit.loc[name, "saved activations per sample (MiB)"])
         glue(f"{key}_sat_batch", int(fit.loc[name, "batch reaching 95% of best samples/s"]))
         glue(f"{key}_best_samples_s", fit.loc[name, "best samples/s"])
-        df = sweep[name]
-        glue(f"{key}_samples_s_1", df.loc[1, "samples/s"])
+        glue(f"{key}_busy_1", sweep[name].loc[1, "GPU busy"])
 fit
 
 # %%
-fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
 for ax, (name, df) in zip(axes, sweep.items()):
     ok = df.dropna(subset=["step time (s)"])
     measured = ok["allocated after forward (GiB)"] if prof.on_gpu else (
         ok["weights + optimizer states (GiB)"] + ok["saved activations (GiB)"])
     ax.plot(ok.index, measured, "o", label="after the forward pass" if prof.on_gpu else "accounted: states + activations")
-    line = fit.loc[name, "fixed part, fitted (GiB)"] + fit.loc[name, "per sample, fitted (MiB)"] * MIB / GIB * ok.index
-    ax.plot(ok.index, line, "k--", label="fit: fixed + per sample x batch")
+    fixed, per_gib = fit.loc[name, "fixed part, fitted (GiB)"], fit.loc[name, "per sample, fitted (MiB)"] * MIB / GIB
+    xs = np.array([0, df.index.max()])
+    ax.plot(xs, fixed + per_gib * xs, "k--", label="fit: fixed + per sample x batch")
     if prof.on_gpu:
         ax.plot(ok.index, ok["peak of the step (GiB)"], "s", label="peak of the step")
         ax.axhline(t4_budget_gib, color="grey", linestyle=":", label="emulated T4 budget")
     ax.axhline(fit.loc[name, "weights + optimizer states (GiB)"], color="C2", linewidth=1, label="weights + optimizer states")
+    if sweep_stop[name][0] == "out of memory":
+        b_oom = sweep_stop[name][1]
+        ax.plot([b_oom], [fixed + per_gib * b_oom], "x", color="C3", markersize=10, markeredgewidth=2,
+                label="out of memory (fit's prediction)")
     ax.set_xlim(left=0)  # a linear axis: the fit is a straight line
-    ax.set_title(f"{name}, seq {SETUPS[name]['seq_len']}")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"{name}, seq {SETUPS[name]['seq_len']}: {fixed:.1f} GiB + {per_gib * GIB / MIB:,.0f} MiB per sample",
+                 fontsize=10)
     ax.set_xlabel("batch size (samples)")
     ax.set_ylabel("memory (GiB)")
-axes[0].legend()
-fig.suptitle("Memory = a fixed part + activations per sample: a straight line in the batch size")
-fig.tight_layout()
+handles = {lab: h for ax in axes for h, lab in zip(*ax.get_legend_handles_labels())}
+fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=3, fontsize=8)
+fig.suptitle("Memory is a fixed part plus a part per sample: a straight line in the batch size")
+fig.tight_layout(rect=(0, 0.1, 1, 1))
+
+# %% tags=["remove-input"]
+if prof.on_gpu:
+    lines = []
+    for name, bytes_rule in (("bert-large-uncased", "fp32 weights and AdamW states, 12 bytes per parameter"),
+                             ("polyglot-ko-1.3b", "weights and AdamW states in pure fp16, 6 bytes per parameter")):
+        r, df = fit.loc[name], sweep[name].dropna(subset=["step time (s)"])
+        b0 = df.index[0]
+        line_b0 = r["fixed part, fitted (GiB)"] + r["per sample, fitted (MiB)"] * MIB / GIB * b0
+        peak_gap = df.loc[b0, "peak of the step (GiB)"] - line_b0
+        lines.append(
+            f"- **{name}** at {SETUPS[name]['seq_len']} tokens: the fit's intercept is {r['fixed part, fitted (GiB)']:.2f} GiB "
+            f"against {r['weights + optimizer states (GiB)']:.2f} GiB of {bytes_rule}; each sample adds "
+            f"{r['per sample, fitted (MiB)']:,.0f} MiB, of which {r['saved activations per sample (MiB)']:,.0f} MiB are "
+            f"saved for backward. At batch {b0} the step's peak lies "
+            + (f"{peak_gap:.2f} GiB above the line: the peak is then not in the forward pass but in the backward pass "
+               f"or the optimizer step, where gradients and temporary buffers join the fixed part (chapter 1, "
+               f"section 1.5)." if peak_gap > 0.05 else f"within {abs(peak_gap):.2f} GiB of the line."))
+    display(Markdown("\n".join(lines)))
+else:
+    print("skipped on CPU: without an allocator the fit is made of the accounted bytes, so it matches the accounting "
+          "by construction")
 
 # %% [markdown]
-# The fit's intercept is {glue:text}`bert_fixed_fit_gib:.2f` GiB for bert-large, against
-# {glue:text}`bert_fixed_acc_gib:.2f` GiB of fp32 weights and AdamW states (12 bytes per parameter), and
-# {glue:text}`llm_fixed_fit_gib:.2f` GiB for the 1.3B model, against {glue:text}`llm_fixed_acc_gib:.2f` GiB
-# (6 bytes per parameter in pure fp16). Each sample adds {glue:text}`bert_per_sample_mib:,.0f` MiB to
-# bert-large at 512 tokens ({glue:text}`bert_saved_per_sample_mib:,.0f` MiB of it saved for backward) and
-# {glue:text}`llm_per_sample_mib:,.0f` MiB to the 1.3B model at 256 tokens
-# ({glue:text}`llm_saved_per_sample_mib:,.0f` MiB saved). What the fit does not see is the step's peak
-# (squares): at small batches it lies above the line, because the peak is then not in the forward pass but in
-# the optimizer step or the backward pass, where gradients and temporary buffers join the fixed part
-# (chapter 1, section 1.5).
-#
-# Now what the memory buys:
+# Now what the memory buys. The figure labels each point with the GPU-busy fraction that `time_it` measured.
 
 # %%
-fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
 for ax, (name, df) in zip(axes, sweep.items()):
     ok = df.dropna(subset=["step time (s)"])
-    ax.plot(ok.index, ok["samples/s"], "o-")
-    ax.axhline(0.95 * ok["samples/s"].max(), color="grey", linestyle=":", label="95% of the best")
+    best, sat = fit.loc[name, "best samples/s"], int(fit.loc[name, "batch reaching 95% of best samples/s"])
+    ax.plot(ok.index, ok["samples/s"], "o-", label="measured (median of 10 steps)")
+    if prof.on_gpu:
+        for b, row in ok.iterrows():
+            ax.annotate(f"{row['GPU busy']:.0%}", (b, row["samples/s"]), textcoords="offset points", xytext=(0, 6),
+                        ha="center", fontsize=7)
+    ax.axhline(0.95 * best, color="grey", linestyle=":", label="95% of the best measured")
+    why, b_stop = sweep_stop[name]
+    if why == "out of memory":
+        ax.plot([b_stop], [0.02 * best], "x", color="C3", markersize=10, markeredgewidth=2, clip_on=False,
+                label="out of memory")
     ax.set_xscale("log", base=2)
-    ax.set_ylim(bottom=0)
-    ax.set_title(f"{name}, seq {SETUPS[name]['seq_len']}")
+    ax.set_xticks(list(df.index), [str(b) for b in df.index])
+    ax.set_ylim(bottom=0, top=1.15 * best)
+    ax.set_title(f"{name}: flat from batch {sat}" if why == "flat" else f"{name}: still rising at batch "
+                 f"{ok.index.max()} ({why})", fontsize=10)
     ax.set_xlabel("batch size (samples)")
     ax.set_ylabel("throughput (samples/s)")
-    ax.legend(loc="lower right")
-fig.suptitle("Throughput grows with the batch until the GPU is busy, then stays flat")
-fig.tight_layout()
+handles = {lab: h for ax in axes for h, lab in zip(*ax.get_legend_handles_labels())}
+fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=3, fontsize=8)
+fig.suptitle("Throughput against the batch size" + (" (labels: GPU busy)" if prof.on_gpu else ""))
+fig.tight_layout(rect=(0, 0.08, 1, 1))
+
+# %% tags=["remove-input"]
+if prof.on_gpu:
+    lines = []
+    for name in SETUPS:
+        df = sweep[name].dropna(subset=["step time (s)"])
+        b0 = df.index[0]
+        r0, t0 = df.loc[b0], sweep_timed[(name, b0)]
+        not_slower = [b for b in df.index
+                      if timing.compare({"a": t0, "b": sweep_timed[(name, b)]}, "a")["b"]["difference"] != "slower"]
+        same_end = max(b for b in not_slower if all(c in not_slower for c in df.index if c <= b))
+        regime = (f"the CPU needs {r0['host enqueue (s)'] * 1e3:.0f} ms of it to issue the step's "
+                  f"{t0.kernels_per_call:,} GPU operations and the GPU is busy {r0['GPU busy']:.0%} of the time: "
+                  f"*{r0['verdict']}*")
+        flat = (f" Up to batch {same_end} the step time is not slower than batch {b0}'s beyond the noise while the "
+                f"samples per step grow {same_end // b0}-fold: the extra samples ride on kernels the GPU was waiting "
+                f"to run." if same_end > b0 else
+                f" The step time grows beyond the noise from batch {df.index[1]} on.")
+        why, b_stop = sweep_stop[name]
+        best, sat = fit.loc[name, "best samples/s"], int(fit.loc[name, "batch reaching 95% of best samples/s"])
+        last = df.index[-1]
+        gain = df.loc[last, "samples/s"] / df.loc[last // 2, "samples/s"] - 1 if last > b0 else float("nan")
+        if why == "flat":
+            end = (f" Throughput reaches 95% of its best ({best:,.1f} samples/s) at batch {sat}; doubling to batch "
+                   f"{last} added only {gain:.0%} (GPU busy {df.loc[last, 'GPU busy']:.0%}), so the sweep stopped: "
+                   f"beyond this point a larger batch is a question of optimisation, not of speed.")
+        elif why == "out of memory":
+            end = (f" Throughput still rose {gain:.0%} in the last doubling that fitted (to batch {last}, GPU busy "
+                   f"{df.loc[last, 'GPU busy']:.0%}), and batch {b_stop} ran out of memory: the best measured, "
+                   f"{best:,.1f} samples/s, is where this card's memory ends, not a plateau.")
+        else:
+            end = (f" Throughput still rose {gain:.0%} in the last doubling, to batch {last} (GPU busy "
+                   f"{df.loc[last, 'GPU busy']:.0%}); the sweep stopped there ({why}), so the best measured, "
+                   f"{best:,.1f} samples/s, is a lower bound of the plateau.")
+        lines.append(f"- **{name}**: at batch {b0} a step takes {r0['step time (s)'] * 1e3:.0f} ms (IQR "
+                     f"{r0['step IQR (ms)']:.1f} ms); {regime}.{flat}{end}")
+    display(Markdown("\n".join(lines)))
+else:
+    print("skipped on CPU: GPU-busy and host enqueue time need a GPU, and a CPU's throughput says nothing about a GPU's")
 
 # %% [markdown]
-# bert-large reaches 95% of its best throughput ({glue:text}`bert_best_samples_s:.1f` samples/s) at batch
-# {glue:text}`bert_sat_batch`; at batch 1 it manages {glue:text}`bert_samples_s_1:.1f`. The 1.3B model reaches
-# 95% of its best ({glue:text}`llm_best_samples_s:.1f` samples/s) at batch {glue:text}`llm_sat_batch`, from
-# {glue:text}`llm_samples_s_1:.1f` at batch 1. A small batch leaves the GPU waiting: each kernel has too little
-# work to fill the card, and the launch overhead of hundreds of small kernels and the optimizer step, which
-# costs the same at any batch size, are paid per step. Once the matrix products are large enough to keep
-# the card busy, more samples per step only cost proportionally more time. Beyond that point a larger batch
-# is a question of optimisation (how many samples each update should average), not of speed; below it,
-# gradient accumulation cannot help either, as section 3.4 shows.
+# A step is *host-bound* when the CPU needs about as long to issue its kernels as the GPU needs to run them:
+# Python, the dispatcher and a few thousand kernel launches per step set the time, and a larger batch makes
+# each kernel longer without adding launches. That is why the step time can stay flat while the batch grows,
+# and why throughput then grows almost in proportion. Once the GPU is busy nearly all the time, more samples
+# per step cost proportionally more time and throughput flattens. Chapter 8 profiles this regime in detail.
+# Below the flat part, gradient accumulation cannot help either: it runs the small batch's kernels several
+# times, as section 3.4 shows.
 
 # %% [markdown]
 # ## 3.2 Finding the largest batch that fits
@@ -340,13 +442,8 @@ t4_search.to_frame()
 full_search.to_frame()
 
 # %% [markdown]
-# Under the T4 budget ({glue:text}`t4_budget_gib:.2f` GiB for the allocator) the largest batch is {glue:text}`search_t4_largest`, found in
-# {glue:text}`search_t4_attempts` attempts; batch 16 fails, as in the LLM book and in chapter 1. The whole card
-# takes {glue:text}`search_full_largest` sequences of 256 tokens (to a multiple of 8, in
-# {glue:text}`search_full_attempts` attempts). After every attempt, the failed ones included, allocated memory
-# is back at the baseline of {glue:text}`search_baseline_mib:,.0f` MiB, the weights and AdamW's states; the
-# largest deviation is {glue:text}`search_max_dev_mib:.1f` MiB. The check below asserts it (a step whose tensors
-# leaked would hold hundreds of MiB).
+# After every attempt, the failed ones included, allocated memory must be back at the baseline: the weights
+# and AdamW's states. The check below asserts it (a step whose tensors leaked would hold hundreds of MiB).
 
 # %%
 if prof.on_gpu:
@@ -356,12 +453,23 @@ if prof.on_gpu:
     print(f"every attempt left {after.min():,.1f} to {after.max():,.1f} MiB allocated (baseline {baseline_mib:,.1f})")
     if prof.is_full:
         glue("search_t4_largest", t4_search.largest)
-        glue("search_t4_attempts", len(t4_search.attempts))
         glue("search_full_largest", full_search.largest)
-        glue("search_full_attempts", len(full_search.attempts))
-        glue("search_baseline_mib", baseline_mib)
-        glue("search_max_dev_mib", deviation_mib)
 freed = cleanup.free(globals(), "model", "optimizer")
+
+# %% tags=["remove-input"]
+if prof.on_gpu:
+    t4_16 = next((a for a in t4_search.attempts if a.batch_size == 16), None)
+    sixteen = ("batch 16 fails, as in the LLM book and in chapter 1" if t4_16 is not None and not t4_16.fits else
+               "batch 16 fits here, unlike in the LLM book and chapter 1" if t4_16 is not None else
+               "batch 16 was not tried")
+    display(Markdown(
+        f"Under the T4 budget ({t4_budget_gib:.2f} GiB for the allocator) the largest batch is {t4_search.largest}, "
+        f"found in {len(t4_search.attempts)} attempts; {sixteen}. The whole card takes {full_search.largest} "
+        f"sequences of {SETUPS[name]['seq_len']} tokens (to a multiple of 8, in {len(full_search.attempts)} attempts). "
+        f"After every attempt allocated memory was within {deviation_mib:.1f} MiB of the baseline of "
+        f"{baseline_mib:,.0f} MiB, the weights and AdamW's states."))
+else:
+    print("skipped on CPU: the search ran against a simulated limit of 12 samples, so its result is that limit")
 
 
 # %% [markdown]
@@ -463,10 +571,15 @@ if prof.is_full:
     glue("grad_rel_diff", grad_check.iloc[0])
 grad_check.to_frame().map("{:.2e}".format)
 
+# %% tags=["remove-input"]
+display(Markdown(
+    f"The accumulated gradients agree with the large batch's to {grad_check.iloc[0]:.1e} of the largest gradient, "
+    f"{grad_check.iloc[0] / grad_check.iloc[2]:.0f} times fp32's machine epsilon: the last digits fp32 keeps, "
+    f"summed in another order. Without the division they are off by {grad_check.iloc[1]:.2f} of the largest "
+    f"gradient, the factor $N - 1 = {n_accum - 1}$."))
+
 # %% [markdown]
-# The accumulated gradients agree with the large batch's to {glue:text}`grad_rel_diff:.1e` of the largest
-# gradient, a few units of the last digit fp32 keeps. Without the division they are $N$ times too large.
-# Note that AdamW would hide that bug: it divides each update by a running estimate of the gradient's size,
+# Note that AdamW would hide the missing division: it divides each update by a running estimate of the gradient's size,
 # so a constant factor on all gradients barely changes its steps (SGD, gradient clipping and the reported
 # loss would all be off).
 #
@@ -498,16 +611,21 @@ fig = plots.lines(curves.reset_index().assign(step=lambda d: d["index"] + 1), x=
                   xlabel="optimizer step", ylabel="loss (nats per token)")
 fig.axes[0].lines[1].set_markersize(3)
 fig.axes[0].axhline(data.markov_loss_floor(4), color="grey", linestyle=":", label="best possible: ln 4")
-fig.axes[0].legend()
+fig.axes[0].legend(loc="upper right")
 fig.tight_layout()
 
+# %% tags=["remove-input"]
+learned = loss_acc[-1] < 1.2 * data.markov_loss_floor(4)
+display(Markdown(
+    f"The curves lie on top of each other for all {n_steps} steps: the largest difference between the two runs' "
+    f"losses is {float((curves.iloc[:, 0] - curves.iloc[:, 1]).abs().max()):.1e} nats, and after the last step their "
+    f"weights differ by {param_diff:.1e} of their norm. "
+    + (f"Both learn the chain (final loss {loss_acc[-1]:.2f}, floor $\\ln 4 = 1.39$). " if learned else
+       f"Neither has learned the chain yet (final loss {loss_acc[-1]:.2f}, floor $\\ln 4 = 1.39$): the profile's run "
+       f"is short, but the two runs still agree. ")
+    + "The assertions above would fail for any loop that steps too often, forgets `zero_grad` or drops a micro-batch."))
+
 # %% [markdown]
-# The curves lie on top of each other for all {glue:text}`traj_steps` steps: the largest difference between
-# the two runs' losses is {glue:text}`traj_max_loss_diff:.1e` nats, and after the last step their weights
-# differ by {glue:text}`traj_param_diff:.1e` of their norm. Both learn the chain (final loss
-# {glue:text}`traj_final_loss:.2f`, floor $\ln 4 = 1.39$). The assertions above would fail for any loop that
-# steps too often, forgets `zero_grad` or drops a micro-batch.
-#
 # Two things are not equivalent in general. Layers that compute statistics *across the batch*, BatchNorm
 # above all, see only a micro-batch: their normalisation and their running averages follow the micro-batch
 # size, not the effective one (transformers use LayerNorm, which works per token, so they are unaffected).
@@ -523,8 +641,9 @@ freed = cleanup.free(globals(), "model_run", "model_big", "runs", "small", "g_bi
 # The Hugging Face guide trains bert-large (fp32, 512 tokens) at batch 4 and then with batch 1 and 4 steps of
 # accumulation, and reports that memory fell and time rose. We measure those two rows and two more, batch 16
 # and batch 4 x 4 (the same 16 samples per update, accumulated), on our GPU under the emulated T4 budget, so
-# that a configuration that does not fit a 15 GB card fails here too. Time is per optimizer step, the median of
-# three after a warm-up step; throughput counts the samples of the effective batch.
+# that a configuration that does not fit a 15 GB card fails here too. Time is per optimizer step (`time_it`: ten
+# timed updates after a warm-up one, with their spread and the GPU-busy fraction); throughput counts the samples
+# of the effective batch.
 
 # %%
 def accumulation_cost(name, model, optimizer, micro_size, steps_per_update):
@@ -539,9 +658,12 @@ def accumulation_cost(name, model, optimizer, micro_size, steps_per_update):
 
     one_update()  # warm-up; creates AdamW's states on first use
     measure.reset_peak(prof.device)
-    timing = measure.time_fn(one_update, device=prof.device, warmup=0, repeat=3)
+    timed = timing.time_it(one_update, device=prof.device, warmup=0, repeat=10, profile_steps=1)
+    cost_timed[(micro_size, steps_per_update)] = timed
     samples = micro_size * steps_per_update
-    row = {"effective batch": samples, "step time (s)": timing.median_s, "samples/s": samples / timing.median_s}
+    row = {"effective batch": samples, "step time (s)": timed.median_s, "step IQR (ms)": timed.wall.iqr * 1e3,
+           "samples/s": samples / timed.median_s,
+           "GPU busy": timed.gpu_busy if timed.gpu_busy is not None else float("nan")}
     if prof.on_gpu:
         row["peak allocated (GiB)"] = torch.cuda.max_memory_allocated() / GIB
         row["NVML used (MiB)"] = measure.nvml_used_mib()
@@ -556,7 +678,7 @@ def t4_or_nothing():
 HF_ROWS = {"bs 4": (4, 1), "bs 1 x ga 4": (1, 4), "bs 16": (16, 1), "bs 4 x ga 4": (4, 4)}
 name = "bert-large-uncased"
 model, optimizer = build(name)
-cost_rows = {}
+cost_rows, cost_timed = {}, {}
 for label, (micro_size, steps_per_update) in HF_ROWS.items():
     with t4_or_nothing():
         attempt = batching.try_batch(
@@ -566,7 +688,7 @@ if profiles.cuda_or_skip("the whole card differs from the T4 only on a larger GP
     attempt = batching.try_batch(lambda m: accumulation_cost(name, model, optimizer, m, 1), 16)
     cost_rows["bs 16, whole card"] = attempt.value if attempt.fits else {"result": f"out of memory ({attempt.error})"}
 bert_grad_gib = accounting.param_bytes(model) / GIB  # fp32 gradients: one per weight, the weights' size
-cleanup.free(globals(), "model", "optimizer")
+cleanup.free(globals(), "model", "optimizer", "attempt")
 hf_docs = pd.DataFrame({  # the guide's printout for 512 samples of 512 tokens on a 16 GB V100
     "HF docs V100: time (s)": {"bs 4": 57.82, "bs 1 x ga 4": 66.03},
     "HF docs V100: samples/s": {"bs 4": 8.86, "bs 1 x ga 4": 7.75},
@@ -580,53 +702,81 @@ if prof.is_full and prof.on_gpu:
     for label, key in (("bs 4", "bs4"), ("bs 1 x ga 4", "bs1ga4"), ("bs 4 x ga 4", "bs4ga4"), ("bs 16, whole card", "bs16full")):
         glue(f"cost_{key}_peak_gib", cost.loc[label, "peak allocated (GiB)"])
         glue(f"cost_{key}_samples_s", cost.loc[label, "samples/s"])
-        glue(f"cost_{key}_step_s", cost.loc[label, "step time (s)"])
     glue("cost_bs16_result", cost_rows["bs 16"].get("result", "fits"))
-    glue("cost_bs4ga4_extra_gib", cost.loc["bs 4 x ga 4", "peak allocated (GiB)"] - cost.loc["bs 4", "peak allocated (GiB)"])
-    glue("bert_grads_gib", bert_grad_gib)
-    glue("cost_bs1ga4_speed_ratio", cost.loc["bs 1 x ga 4", "samples/s"] / cost.loc["bs 4", "samples/s"])
-    glue("cost_bs1ga4_mem_ratio", cost.loc["bs 1 x ga 4", "peak allocated (GiB)"] / cost.loc["bs 4", "peak allocated (GiB)"])
-    glue("cost_bs4ga4_vs_bs16", cost.loc["bs 4 x ga 4", "samples/s"] / cost.loc["bs 16, whole card", "samples/s"])
-    glue("hf_speed_ratio", 7.75 / 8.86)
-    glue("hf_mem_ratio", 8681 / 14949)
-ok = cost.dropna(subset=["step time (s)"])
-fig, (ax_mem, ax_speed) = plt.subplots(1, 2, figsize=(11, 4))
+fig, (ax_mem, ax_speed) = plt.subplots(1, 2, figsize=(11, 4.4))
+x = np.arange(len(cost))
+fits = cost["step time (s)"].notna().to_numpy()
 if prof.on_gpu:
-    ax_mem.bar(ok.index, ok["peak allocated (GiB)"], color="C3")
+    ax_mem.bar(x[fits], cost["peak allocated (GiB)"].to_numpy()[fits], color="C3", label="peak allocated")
     ax_mem.axhline(t4_budget_gib, color="grey", linestyle=":", label="emulated T4 budget")
-    ax_mem.legend(loc="upper left")
+    ax_mem.plot(x[~fits], [t4_budget_gib] * int((~fits).sum()), "x", color="k", markersize=10, markeredgewidth=2,
+                label="out of memory (under the T4 budget)")
 else:
     ax_mem.text(0.5, 0.5, "peak memory is measured on a GPU", ha="center", va="center", transform=ax_mem.transAxes)
-    ax_mem.set_xticks([])
 ax_mem.set_ylabel("peak allocated (GiB)")
-ax_mem.set_title("memory: set by the micro-batch")
-ax_speed.bar(ok.index, ok["samples/s"], color="C0")
+ax_speed.bar(x[fits], cost["samples/s"].to_numpy()[fits], color="C0", label="throughput (median of 10 updates)")
+if (~fits).any():  # (an empty plot with clip_on=False upsets tight_layout)
+    ax_speed.plot(x[~fits], [0] * int((~fits).sum()), "x", color="k", markersize=10, markeredgewidth=2, clip_on=False)
 ax_speed.set_ylabel("throughput (samples/s)")
-ax_speed.set_title("throughput: set by the micro-batch too")
 for ax in (ax_mem, ax_speed):
-    ax.tick_params(axis="x", labelrotation=20)
-fig.suptitle("bert-large, fp32, 512 tokens: memory and speed follow the micro-batch, not the effective batch")
-fig.tight_layout()
+    ax.set_xticks(x, cost.index, rotation=20)
+    ax.set_ylim(bottom=0)
+if prof.on_gpu and "bs 16, whole card" in cost.index and pd.notna(cost.loc["bs 16, whole card", "step time (s)"]):
+    same_peak = cost.loc["bs 4 x ga 4", "peak allocated (GiB)"] < cost.loc["bs 16, whole card", "peak allocated (GiB)"]
+    ax_mem.set_title("peak: set by the micro-batch" if same_peak else "peak: not lowered by accumulation", fontsize=10)
+slower = cost.loc["bs 1 x ga 4", "samples/s"] < cost.loc["bs 4", "samples/s"]
+ax_speed.set_title("throughput: lower with the smaller micro-batch" if slower else
+                   "throughput: not lowered by the smaller micro-batch", fontsize=10)
+handles = {lab: h for ax in (ax_mem, ax_speed) for h, lab in zip(*ax.get_legend_handles_labels())}
+fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=4, fontsize=8)
+fig.suptitle("bert-large, fp32, 512 tokens: gradient accumulation against larger batches")
+fig.tight_layout(rect=(0, 0.08, 1, 1))
 
+# %% tags=["remove-input"]
+if prof.on_gpu:
+    c = cost
+    t4, t1x4, t4x4 = cost_timed[(4, 1)], cost_timed[(1, 4)], cost_timed[(4, 4)]
+    bs16 = cost_rows["bs 16"]
+    if "result" in bs16:
+        text = f"Under the T4 budget batch 16 does not fit ({bs16['result']}); "
+    else:
+        text = f"Under the T4 budget batch 16 fits here (peak {bs16['peak allocated (GiB)']:.2f} GiB); "
+    extra = c.loc["bs 4 x ga 4", "peak allocated (GiB)"] - c.loc["bs 4", "peak allocated (GiB)"]
+    text += (f"batch 4 x 4 accumulates the same 16 samples per update at a peak of "
+             f"{c.loc['bs 4 x ga 4', 'peak allocated (GiB)']:.2f} GiB, against batch 4's "
+             f"{c.loc['bs 4', 'peak allocated (GiB)']:.2f} GiB. The difference, {extra:.2f} GiB, ")
+    text += ("is close to the " if abs(extra - bert_grad_gib) < 0.25 * bert_grad_gib else "is not simply the ")
+    text += (f"{bert_grad_gib:.2f} GiB of gradients: from the second micro-batch on, the forward pass runs while the "
+             f"gradients accumulated so far are held, where a plain step has just freed them. ")
+    if (16, 1) in cost_timed:
+        t16 = cost_timed[(16, 1)]
+        cmp = timing.compare({"16": t16, "4x4": t4x4}, "16")["4x4"]
+        ratio = c.loc["bs 4 x ga 4", "samples/s"] / c.loc["bs 16, whole card", "samples/s"]
+        text += (f"Speed: batch 4 x 4 runs at {ratio:.2f} times the throughput of a real batch 16 (on the whole card), "
+                 + ("slower beyond the noise: it runs batch 4's kernels four times, and batch 4 keeps the GPU busy "
+                    f"{t4x4.gpu_busy:.0%} of the time against batch 16's {t16.gpu_busy:.0%}. "
+                    if cmp["difference"] == "slower" else
+                    f"{cmp['difference']}: at batch 4 this GPU is already busy {t4x4.gpu_busy:.0%} of the time, so four "
+                    f"small steps cost what one large one does. "))
+    cmp1 = timing.compare({"4": t4, "1x4": t1x4}, "4")["1x4"]
+    text += (f"\n\nThe guide's row, batch 1 x 4 against batch 4: here it needs "
+             f"{c.loc['bs 1 x ga 4', 'peak allocated (GiB)'] / c.loc['bs 4', 'peak allocated (GiB)']:.2f} times the peak "
+             f"memory and runs at {c.loc['bs 1 x ga 4', 'samples/s'] / c.loc['bs 4', 'samples/s']:.2f} times the "
+             f"throughput ({cmp1['difference']}; GPU busy {t1x4.gpu_busy:.0%} at batch 1, {t4.gpu_busy:.0%} at batch 4); "
+             f"the guide measured {8681 / 14949:.2f} times the NVML memory and {7.75 / 8.86:.2f} times the throughput on "
+             f"a V100. Accumulation saves only the activations of the samples that are no longer in the micro-batch; "
+             f"weights, gradients and optimizer states stay, so the peak does not fall below them. ")
+    text += ("A micro-batch below the point where throughput flattens (section 3.1) costs speed, as measured here: "
+             "hence the guide's advice, to keep the micro-batch as large as fits and accumulate the rest (batch 4 x 16 "
+             "rather than 1 x 64 for 64 samples)." if cmp1["difference"] == "slower" else
+             "Here the smaller micro-batch cost no speed beyond the noise; the guide's advice, to keep the "
+             "micro-batch as large as fits and accumulate the rest, still holds wherever the small batch is host-bound "
+             "(section 3.1).")
+    display(Markdown(text))
+else:
+    print("skipped on CPU: the T4 budget, peak memory and GPU-busy need a GPU")
 
 # %% [markdown]
-# Under the T4 budget batch 16 does not fit ("{glue:text}`cost_bs16_result`"); batch 4 x 4 accumulates the
-# same 16 samples per update at a peak of {glue:text}`cost_bs4ga4_peak_gib:.2f` GiB, against batch 4's
-# {glue:text}`cost_bs4_peak_gib:.2f` GiB. The difference, {glue:text}`cost_bs4ga4_extra_gib:.2f` GiB, is close to
-# the {glue:text}`bert_grads_gib:.2f` GiB of gradients: from the second micro-batch on, the forward pass runs
-# while the gradients accumulated so far are held, where a plain step has just freed them. Speed follows the
-# micro-batch too: batch 4 x 4 runs at {glue:text}`cost_bs4ga4_vs_bs16:.2f` times the throughput of a real batch
-# 16 (measured on the whole card), because it runs batch 4's kernels four times.
-#
-# The guide's row, batch 1 x 4 against batch 4: here it needs {glue:text}`cost_bs1ga4_mem_ratio:.2f` times the
-# peak memory and runs at {glue:text}`cost_bs1ga4_speed_ratio:.2f` times the throughput; the guide measured
-# {glue:text}`hf_mem_ratio:.2f` times the NVML memory and {glue:text}`hf_speed_ratio:.2f` times the throughput on
-# a V100. Accumulation saves only the activations of the samples that are no longer in the micro-batch;
-# weights, gradients and optimizer states stay (the peak does not fall below them), and every micro-batch
-# smaller than the point where throughput saturates (section 3.1) costs speed. Hence the guide's advice, which
-# the measurement supports: to reach a large effective batch, keep the micro-batch as large as fits and
-# accumulate the rest (batch 4 x 16 rather than 1 x 64 for 64 samples).
-#
 # **The LLM book's case.** The book trains the 1.3B model (fp16, AdamW, 256 tokens) on a T4: batch 16 runs out
 # of memory, batch 4 with 4 accumulation steps runs, and `torch.cuda.memory_allocated()` read right after the
 # first optimizer step shows 10.586 GB (the book divides by 1024³: GiB). The same two runs, under the emulated
@@ -665,65 +815,86 @@ if prof.is_full and prof.on_gpu:
     glue("book_bs16_result", book.loc["bs 16", "result"])
 book
 
+# %% tags=["remove-input"]
+if prof.on_gpu:
+    r16, r44 = book_rows["bs 16"], book_rows["bs 4 x ga 4"]
+    if "result" in r44:
+        display(Markdown(f"Under the emulated T4 batch 4 x 4 did not fit either ({r44['result']}), unlike in the book."))
+    else:
+        first = r44["allocated after 1st step (GiB)"]
+        display(Markdown(
+            (f"As in the book, batch 16 fails ({r16['result']})" if "result" in r16 else
+             f"Unlike in the book, batch 16 fits here (peak {r16['peak allocated (GiB)']:.2f} GiB)")
+            + f" and batch 4 x 4 runs. Read where the book reads it, memory is {first:.2f} GiB: the fp16 weights, their "
+            f"gradients and AdamW's two states, 9.92 GiB together, plus the last micro-batch's leftovers. The book's "
+            f"10.586 is {10.586 - first:+.2f} GiB away. Part of a gap is known: the book's model, loaded from the real "
+            f"checkpoint, already took 2.599 GiB against our 2.48, and its loop keeps the model's last output (the "
+            f"logits) alive at that moment; the rest cannot be seen from outside. The peak, which decides whether a "
+            f"step fits, is higher: {r44['peak allocated (GiB)']:.2f} GiB (chapter 1 found it in the optimizer step)."))
+else:
+    print("skipped on CPU: the book's numbers are GPU memory readings")
+
 # %% [markdown]
-# As in the book, batch 16 fails ("{glue:text}`book_bs16_result`") and batch 4 x 4 runs. Read where the book
-# reads it, memory is {glue:text}`book_bs4ga4_first_gib:.2f` GiB: the fp16 weights, their gradients and AdamW's
-# two states, 9.92 GiB together, plus the last micro-batch's leftovers. The book's 10.586 is
-# {glue:text}`book_bs4ga4_gap_gib:.2f` GiB more. Part of the gap is known: its model, loaded from the real
-# checkpoint, already took 2.599 GiB against our 2.48, and its loop keeps the model's last output (the logits)
-# alive at that moment; the rest cannot be seen from outside. The peak, which
-# decides whether a step fits, is higher: {glue:text}`book_bs4ga4_peak_gib:.2f` GiB (chapter 1 found it in the
-# optimizer step).
-#
 # **The Trainer.** `TrainingArguments(gradient_accumulation_steps=4)` runs the same loop inside the
-# `Trainer`. We train bert-large for one epoch at batch 4 x 4 both ways, with the same optimizer (PyTorch's
-# AdamW, constant learning rate, no gradient clipping: the Trainer clips at 1.0 by default), and compare time
-# and peak memory for the whole epoch, first step included.
+# `Trainer`. We train bert-large on 16 samples at batch 4 x 4 both ways (one update), with the same optimizer
+# (PyTorch's AdamW, constant learning rate, no gradient clipping: the Trainer clips at 1.0 by default), ten
+# times each after a warm-up run, and compare time and peak memory. Each `Trainer.train()` call builds its data
+# loader again and reuses the optimizer it created in the first call, as the hand-written loop reuses its own;
+# the loop's optimizer is deleted before the `Trainer` runs, so that each peak holds one set of AdamW states.
 
 # %%
-n_epoch = prof.pick(tiny=32, full=128)
+n_epoch = prof.pick(tiny=16, full=16)
 epoch_data = data.dummy_dataset(n_epoch, SETUPS[name]["seq_len"], seed=0)
-epoch_rows = {}
-
-model, optimizer = build(name)
-measure.reset_peak(prof.device)
-measure.synchronize(prof.device)
-start = time.perf_counter()
-train_accumulating(model, optimizer, (to_device(b) for b in train.batches(epoch_data, 4, shuffle=False)), 4)
-measure.synchronize(prof.device)
-epoch_rows["hand-written loop"] = {"time (s)": time.perf_counter() - start}
-if prof.on_gpu:
-    epoch_rows["hand-written loop"]["peak allocated (GiB)"] = torch.cuda.max_memory_allocated() / GIB
-cleanup.free(globals(), "model", "optimizer")
-
-model, _ = build(name)
 args = TrainingArguments(
     output_dir="trainer_tmp", per_device_train_batch_size=4, gradient_accumulation_steps=4, num_train_epochs=1,
     learning_rate=1e-5, weight_decay=0.0, optim="adamw_torch", lr_scheduler_type="constant", max_grad_norm=0.0,
     seed=0, logging_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True,
     dataloader_pin_memory=prof.on_gpu,
 )
-measure.reset_peak(prof.device)
-result = Trainer(model=model, args=args, train_dataset=epoch_data).train()
-epoch_rows["Trainer"] = {"time (s)": result.metrics["train_runtime"]}
-if prof.on_gpu:
-    epoch_rows["Trainer"]["peak allocated (GiB)"] = torch.cuda.max_memory_allocated() / GIB
-cleanup.free(globals(), "model", "result")
+epoch_timed, epoch_rows = {}, {}
+
+
+def time_epoch(label, fn):
+    measure.reset_peak(prof.device)
+    epoch_timed[label] = timing.time_it(fn, device=prof.device, warmup=1, repeat=10, busy=False)
+    epoch_rows[label] = {"time (s)": epoch_timed[label].median_s, "IQR (ms)": epoch_timed[label].wall.iqr * 1e3,
+                         "samples/s": n_epoch / epoch_timed[label].median_s}
+    if prof.on_gpu:
+        epoch_rows[label]["peak allocated (GiB)"] = torch.cuda.max_memory_allocated() / GIB
+
+
+model, optimizer = build(name)
+time_epoch("hand-written loop", lambda: train_accumulating(
+    model, optimizer, (to_device(b) for b in train.batches(epoch_data, 4, shuffle=False)), 4))
+cleanup.free(globals(), "optimizer")  # its AdamW states go; the Trainer makes its own
+trainer = Trainer(model=model, args=args, train_dataset=epoch_data)
+time_epoch("Trainer", lambda: trainer.train())
+cleanup.free(globals(), "trainer", "model")
 epoch = pd.DataFrame(epoch_rows).T
-epoch["samples/s"] = n_epoch / epoch["time (s)"]
 if prof.is_full and prof.on_gpu:
     glue("trainer_samples_s", epoch.loc["Trainer", "samples/s"])
     glue("hand_samples_s", epoch.loc["hand-written loop", "samples/s"])
-    glue("trainer_peak_gib", epoch.loc["Trainer", "peak allocated (GiB)"])
-    glue("hand_peak_gib", epoch.loc["hand-written loop", "peak allocated (GiB)"])
 epoch
 
+# %% tags=["remove-input"]
+cmp_tr = timing.compare(epoch_timed, "hand-written loop")["Trainer"]
+if prof.on_gpu:
+    peaks = (f", with peaks of {epoch.loc['Trainer', 'peak allocated (GiB)']:.2f} GiB (Trainer) and "
+             f"{epoch.loc['hand-written loop', 'peak allocated (GiB)']:.2f} GiB (loop)")
+    display(Markdown(
+        f"The `Trainer` processed {epoch.loc['Trainer', 'samples/s']:.1f} samples/s, the hand-written loop "
+        f"{epoch.loc['hand-written loop', 'samples/s']:.1f}{peaks}: the Trainer is "
+        + (f"{cmp_tr['difference']} ({1 / cmp_tr['speed-up']:.2f} times the loop's time). With the same optimizer the "
+           f"two do the same arithmetic; what differs is the `Trainer`'s bookkeeping around it (its data loader, "
+           f"learning-rate scheduler, callbacks), paid on every call." if cmp_tr["difference"] != "within the noise" else
+           "within the noise of the loop: with the same optimizer they do the same arithmetic, and the `Trainer`'s "
+           "bookkeeping (data loader, scheduler, callbacks) is too small to measure here.")))
+else:
+    print("skipped on CPU: CPU time and memory say nothing about the Trainer's overhead on a GPU")
+
 # %% [markdown]
-# The `Trainer` processed {glue:text}`trainer_samples_s:.1f` samples/s with a peak of
-# {glue:text}`trainer_peak_gib:.2f` GiB; the hand-written loop {glue:text}`hand_samples_s:.1f` samples/s and
-# {glue:text}`hand_peak_gib:.2f` GiB. With the same optimizer they do the same arithmetic; what differs is the
-# `Trainer`'s bookkeeping around it (its data loader, learning-rate scheduler and logging). Two of its defaults,
-# switched off above to compare like with like, change the picture when left on:
+# Two of the `Trainer`'s defaults, switched off above to compare like with like, change the picture when left
+# on:
 
 # %%
 defaults = TrainingArguments(output_dir="trainer_tmp", report_to="none")
@@ -809,16 +980,22 @@ print(f"tokens per micro-batch: {[n_tokens(p) for p in parts]}, total {total_tok
 pitfall.assign(**{"loss (nats/token)": pitfall["loss (nats/token)"].map("{:.4f}".format),
                   "gradient: max relative difference": pitfall["gradient: max relative difference"].map("{:.1e}".format)})
 
+# %% tags=["remove-input"]
+counts = [n_tokens(p) for p in parts]
+display(Markdown(
+    f"The micro-batches hold {', '.join(map(str, counts))} tokens. Over all tokens the loss is "
+    f"{pitfall.iloc[0, 0]:.4f} nats per token; the mean of the micro-batch means is {naive.iloc[0]:.4f}. "
+    + ("The two are close here because every token of this chain is as hard to predict as any other, wherever it "
+       "sits; in real text, where later tokens have more context to go on, short and long sequences differ more. "
+       if abs(naive.iloc[0] - pitfall.iloc[0, 0]) < 0.05 * pitfall.iloc[0, 0] else "")
+    + f"The gradient shows what is wrong: it is off by {naive.iloc[1]:.2f} of the largest gradient, not rounding but "
+    f"a different objective, in which each token of the shortest micro-batch weighs {max(counts) / min(counts):.1f} "
+    f"times as much as one of the longest. Both fixes agree with the reference to "
+    f"{max(by_hand.iloc[1], by_hf.iloc[1]):.1e}."))
+
 # %% [markdown]
-# The micro-batches hold {glue:text}`pit_tokens` tokens. Over all tokens the loss is
-# {glue:text}`pit_ref_loss:.4f` nats per token; the mean of the micro-batch means is
-# {glue:text}`pit_naive_loss:.4f`. The two are close here because every token of this chain is as hard to
-# predict as any other, wherever it sits; in real text, where later tokens have more context to go on, short and
-# long sequences differ more. The gradient shows what is wrong: it is off by {glue:text}`pit_naive_grad:.2f` of
-# the largest gradient, not rounding but a different objective, in which each token of the shortest
-# micro-batch weighs several times as much as one of the longest. Both fixes agree with the reference to
-# {glue:text}`pit_fixed_grad:.1e`. The rule: divide the *sum* of the token losses by the number of tokens in the
-# whole accumulated batch, which must be counted before the first micro-batch runs.
+# The rule: divide the *sum* of the token losses by the number of tokens in the whole accumulated batch, which
+# must be counted before the first micro-batch runs.
 #
 # This was a real bug in the Hugging Face `Trainer` until October 2024: it divided each micro-batch's mean loss
 # by the number of accumulation steps, exactly the naive line above, so runs with accumulation did not match
@@ -829,9 +1006,10 @@ pitfall.assign(**{"loss (nats/token)": pitfall["loss (nats/token)"].map("{:.4f}"
 # a recent version, and check, as here, when you write your own loop.
 
 # %%
-cleanup.free(globals(), "model_acc", "pitfall_grads", "reference", "whole", "parts", "markov")
+cleanup.free(globals(), "model_acc", "pitfall_grads", "reference", "whole", "parts", "markov", "batch", "loss",
+             "batches", "optimizer", "big_batch", "micro_batches", "ids", "mask")
 if prof.on_gpu:
-    print(f"allocated at the end: {torch.cuda.memory_allocated() / MIB:,.0f} MiB")
+    print(f"allocated after the last experiment: {torch.cuda.memory_allocated() / MIB:,.1f} MiB")
 
 # %% [markdown]
 # ## Summary
@@ -859,10 +1037,9 @@ closing[[c for c in order if c in closing.columns]]
 
 # %% [markdown]
 # - Training memory is a fixed part (weights, optimizer states, and gradients from the backward pass on) plus
-#   activations that grow linearly
-#   with the batch: {glue:text}`bert_per_sample_mib:,.0f` MiB per sample for bert-large at 512 tokens,
-#   {glue:text}`llm_per_sample_mib:,.0f` MiB for the 1.3B model at 256. Throughput stops growing once the GPU is
-#   busy; past that point a larger batch is an optimisation choice, not a speed-up.
+#   activations that grow linearly with the batch (section 3.1's fit). At small batches a step is host-bound:
+#   its time is the CPU's time to issue it, so throughput grows almost with the batch; it stops growing once the
+#   GPU is busy, and past that point a larger batch is an optimisation choice, not a speed-up.
 # - The largest batch that fits can be found safely: catch `torch.OutOfMemoryError`, let the `except` block end,
 #   then free; memory returns to its baseline after every failure.
 # - Gradient accumulation with `loss / N` gives the large batch's gradients to fp32 rounding and the same
@@ -894,8 +1071,8 @@ closing[[c for c in order if c in closing.columns]]
 #
 # Each exercise has a hint and an answer (or the range to expect) behind a click.
 #
-# 1. In section 3.1, add batch 64 to `batch_sizes` for bert-large. Predict its memory from the fit before you
-#    run it. Does throughput still move?
+# 1. In section 3.1, run bert-large at twice the largest batch its sweep measured (`measure_batch` with a model
+#    and optimizer from `build`). Predict its memory from the fit before you run it. Does throughput still move?
 #
 #    <details><summary>Hint</summary>
 #
@@ -905,16 +1082,17 @@ closing[[c for c in order if c in closing.columns]]
 #
 #    <details><summary>Answer</summary>
 #
-#    Fixed part plus 64 times bert-large's per-sample cost from section 3.1's fit table; on a large GPU it fits, and throughput stays within a few percent of its plateau: the GPU is already busy.
+#    The fixed part plus the batch times bert-large's per-sample cost from section 3.1's fit table. Where the sweep stopped because throughput was flat, it stays within a few percent: the GPU is already busy. Where it stopped for time or memory, it may still rise a little, or run out of memory.
 #
 #    </details>
 #
-# 2. In section 3.2, search with `SETUPS["polyglot-ko-1.3b"]["attn_implementation"] = "sdpa"`. The fused
-#    attention stores no $s \times s$ matrix: how much larger is the largest batch under the T4 budget?
+# 2. In section 3.2, search with `SETUPS["polyglot-ko-1.3b"]["attn_implementation"] = "sdpa"`. When SDPA runs a
+#    fused kernel (flash or memory-efficient) it stores no $s \times s$ matrix: how much larger is the largest
+#    batch under the T4 budget?
 #
 #    <details><summary>Hint</summary>
 #
-#    Eager attention's per-sample activations include about $5 a s^2$ bytes per layer for the $s \times s$ matrices; SDPA stores none.
+#    Eager attention's per-sample activations include about $5 a s^2$ bytes per layer for the $s \times s$ matrices; SDPA with a fused kernel stores none (its math fallback, used for example for bf16 below compute capability 8.0, stores them too).
 #
 #    </details>
 #
@@ -956,8 +1134,31 @@ closing[[c for c in order if c in closing.columns]]
 #
 # ## References
 #
-# - {cite:t}`hf_perf_train_gpu_one`: batch size and gradient accumulation on one GPU, the V100 rows of
-#   section 3.4.
-# - {cite:t}`heo2024llm`, chapter 5: the polyglot-ko-1.3b experiment, batch 16 against batch 4 x 4 on a T4.
-# - {cite:t}`hf_gradient_accumulation_fix`: the loss normalisation fix of transformers 4.46.
-# - {cite:t}`korthikanti2022reducing`: activation memory per sample (chapter 1, section 1.4).
+# - [Hugging Face (2024)](../book/references.md), *Methods and tools for efficient training on a single GPU*: batch size and
+#   gradient accumulation on one GPU, the V100 rows of section 3.4.
+# - [Heo (2024)](../book/references.md), chapter 5: the polyglot-ko-1.3b experiment, batch 16 against batch 4 x 4 on a T4.
+# - [Hugging Face (2024)](../book/references.md), *Fixing Gradient Accumulation*: the loss normalisation fix of transformers 4.46.
+# - [Korthikanti et al. (2022)](../book/references.md): activation memory per sample (chapter 1, section 1.4).
+#
+# All the works the book cites are on the [references page](../book/references.md).
+
+# %% [markdown]
+# ## Memory back at the baseline
+#
+# Every experiment freed what it made. cuBLAS keeps a *workspace* for each (handle, stream) pair on which it ran a
+# matrix product (the autograd engine's thread has its own handle), until it is told to let go; we release them,
+# then check that the chapter ends where it began, after the setup's warm-up:
+
+# %%
+cleanup.collect()
+if prof.on_gpu:
+    held_mib = torch.cuda.memory_allocated() / MIB
+    torch._C._cuda_clearCublasWorkspaces()  # PyTorch's own (private) call for this
+    cleanup.collect()
+    end_mib = torch.cuda.memory_allocated() / MIB
+    display(pd.Series({"allocated before clearing the cuBLAS workspaces (MiB)": held_mib,
+                       "allocated at the end (MiB)": end_mib,
+                       "allocated at the start (MiB)": chapter_baseline_mib}).to_frame("value"))
+    assert end_mib <= chapter_baseline_mib + 0.01, f"{end_mib - chapter_baseline_mib:.2f} MiB still allocated: a leak"
+else:
+    print("skipped on CPU: no GPU memory to check")

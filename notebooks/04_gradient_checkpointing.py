@@ -28,16 +28,16 @@
 #
 # - three ways to get gradients through a chain of $N$ layers (store everything, store nothing and recompute
 #   from the start, store a checkpoint every $k$ layers), with their stored bytes and recomputations counted,
-#   and why $k = \sqrt{N}$ is the sweet spot of {cite:t}`chen2016training`;
+#   and why $k = \sqrt{N}$ is the sweet spot of [Chen et al. (2016)](../book/references.md);
 # - what `torch.utils.checkpoint` does, and a check that it gives the same gradients as plain autograd;
 # - the measured memory and time of checkpointing in transformers models, against the "one extra forward
 #   pass" that theory predicts;
-# - two refinements beyond the seeds: checkpointing only part of a block (after {cite:t}`korthikanti2022reducing`),
-#   and moving saved activations to the CPU instead of recomputing them.
+# - two refinements beyond the sources: checkpointing only part of a block (after
+#   [Korthikanti et al. (2022)](../book/references.md)), and moving saved activations to the CPU instead of recomputing them.
 #
 # **Prerequisites:** chapter 1 (activations, `SavedTensorMeter`, the emulated T4) and chapter 3 (the batch
-# sweep, `helpers.batching`). The [setup page](../book/setup.md) explains the run profiles; numbers quoted in
-# the text come from the full-size run on the GPU named in the first output below.
+# sweep, `helpers.batching`). The [setup page](../book/setup.md) explains the run profiles. Sentences that quote
+# numbers are written by the notebook from its own run, so on your machine they describe your run.
 
 # %%
 import sys
@@ -75,18 +75,31 @@ env.report(prof)
 
 # %% [markdown]
 # As in chapter 3, we measure this process's CUDA context first, so that section 4.3 can emulate a T4 (14.75
-# GiB minus the context) on a larger card.
+# GiB minus the context) on a larger card, and note the allocated memory after this warm-up: the chapter's
+# baseline, which the last cell checks. We also ask what this GPU can do: fused attention kernels and bf16
+# tensor cores need compute capability 8.0 or newer (`profiles.capability()`), and section 4.4 picks its
+# 16-bit type with `profiles.amp_dtype()` (bf16 there, fp16 on older GPUs such as the T4). Times come from
+# chapter 8's `timing.time_it` (ten repeats after warm-up, with spread, GPU time and the GPU-busy fraction).
 
 # %%
-t4_budget_gib = None
+from IPython.display import Markdown, display
+
+from helpers import flops, timing
+
+cap = profiles.capability()
+t4_budget_gib, chapter_baseline_mib = None, 0.0
 if profiles.cuda_or_skip("emulating a T4 needs a GPU"):
     nvml_before = measure.nvml_used_mib()
     for dtype in (torch.float32, torch.float16):
         torch.ones(256, 256, device="cuda", dtype=dtype) @ torch.ones(256, 256, device="cuda", dtype=dtype)
-    context_gib = (measure.nvml_used_mib() - nvml_before) * MIB / GIB - torch.cuda.memory_reserved() / GIB
-    t4_budget_gib = measure.T4_MEMORY_GIB - context_gib
+    budget = measure.t4_budget(nvml_before)
+    t4_budget_gib = budget.budget_gib
+    chapter_baseline_mib = torch.cuda.memory_allocated() / MIB
     glue("t4_budget_gib", t4_budget_gib)
-    print(f"emulated T4: allocator capped at {t4_budget_gib:.2f} GiB = 14.75 GiB - {context_gib:.2f} GiB (CUDA context)")
+    print(f"emulated T4: {budget.describe()}")
+    print(f"{cap.name}: compute capability {cap.major}.{cap.minor}; FlashAttention and bf16 tensor cores: "
+          f"{'yes' if cap.flash_attention else 'no'}; 16-bit type for section 4.4: {profiles.amp_dtype()}")
+    print(f"allocated at the start (the chapter's baseline): {chapter_baseline_mib:,.1f} MiB")
 
 
 # %% [markdown]
@@ -297,12 +310,17 @@ ax_cost.set_ylabel("layer forward computations per step")
 fig.suptitle(f"A chain of N = {n_layers} layers: a checkpoint every √N layers stores 2√N outputs for one extra forward pass")
 fig.tight_layout()
 
+# %% tags=["remove-input"]
+display(Markdown(
+    f"With $N$ = {n_layers} layers, storing everything keeps "
+    f"{int(three.loc['stored (layer outputs)', '(a) store everything'])} layer outputs; a checkpoint every "
+    f"{math.isqrt(n_layers)} layers keeps {int(check['measured'].min())} at most (at $k$ = "
+    f"{int(check['measured'].idxmin())}), and pays for it with one extra forward pass; recomputing from the start "
+    f"keeps {int(three.loc['stored (layer outputs)', '(b) recompute from the start'])} but needs "
+    f"{int(three.loc['layer forwards', '(b) recompute from the start']):,} layer forwards instead of {n_layers}."))
+
 # %% [markdown]
-# With $N$ = {glue:text}`chain_n` layers, storing everything keeps {glue:text}`chain_store_all` layer outputs;
-# a checkpoint every {glue:text}`chain_sqrt_n` layers keeps {glue:text}`chain_sqrt_store` at most, and pays for it
-# with one extra forward pass; recomputing from the start keeps two but needs {glue:text}`chain_recompute_calls`
-# layer forwards instead of {glue:text}`chain_n`. This is the result of {cite:t}`chen2016training`:
-# $O(\sqrt{N})$ memory for one extra forward pass (recursing on the segments brings memory down to
+# This is the result of [Chen et al. (2016)](../book/references.md): $O(\sqrt{N})$ memory for one extra forward pass (recursing on the segments brings memory down to
 # $O(\log N)$ at more recomputation). In practice the segments are not chosen by $\sqrt{N}$: frameworks
 # checkpoint at the boundary of every transformer layer, so a model of $L$ layers keeps $L$ layer inputs
 # plus the full activations of the one layer being recomputed. That is close to the optimum: in the units of the
@@ -310,7 +328,8 @@ fig.tight_layout()
 # input), so 24 layers make $N \approx 400$ and $\sqrt{N} \approx 20$, about one layer.
 
 # %%
-freed = cleanup.free(globals(), "chain", "chain_input", "strategies", "grads_a")
+freed = cleanup.free(globals(), "chain", "chain_input", "strategies", "grads_a", "grads", "g", "g_ref", "layer",
+                     "saved")
 
 
 # %% [markdown]
@@ -343,7 +362,7 @@ class Block(nn.Module):
     def attention(self, x):
         b, s, h = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v)  # fused: no s x s matrix is stored
+        y = F.scaled_dot_product_attention(q, k, v)  # a fused kernel stores no s x s matrix; the math fallback does
         return self.drop(self.proj(y.transpose(1, 2).reshape(b, s, h)))
 
     def mlp(self, x):
@@ -421,17 +440,49 @@ if prof.is_full:
 block_check.assign(**{"gradients: max rel. difference": block_check.iloc[:, 2].map("{:.1e}".format)})
 
 # %% [markdown]
-# Without checkpointing the block keeps {glue:text}`block_plain_saved_mib:.0f` MiB for backward; checkpointed, it
-# keeps {glue:text}`block_ckpt_saved_mib:.0f` MiB, its input ({glue:text}`block_input_mib:.0f` MiB), which
-# `checkpoint` saves so that it can run the block again. The gradients agree to
-# {glue:text}`block_ckpt_grad_diff:.1e`. Without restoring the generator's state they are off by
-# {glue:text}`block_norng_grad_diff:.2f`: dropout drew other masks in the recomputation, so the backward pass
-# differentiated a different function than the forward pass computed, silently.
-#
-# On the GPU the peak above the starting point is {glue:text}`block_plain_peak_mib:.0f` MiB without checkpointing
-# and {glue:text}`block_ckpt_peak_mib:.0f` MiB with it. For a single block, checkpointing moves the activations
-# from the forward pass to the backward pass rather than removing them: the recomputation rebuilds all of them
-# before the block's backward can run. In a stack of $L$ blocks only one block is rebuilt at a time, so the peak
+# Whether the attention stored its $s \times s$ matrix depends on the kernel SDPA picked. The flash and
+# memory-efficient kernels never store it (they rebuild it block by block in the backward pass); the math
+# fallback, which SDPA uses when neither supports the inputs (for example bf16 below compute capability 8.0), stores
+# it like eager attention. `fused_sdpa_runs` asks SDPA to run with the fused kernels only, which fails if none fits.
+
+# %%
+def fused_sdpa_runs(dtype, seq=None):
+    """Whether SDPA has a fused kernel (flash or memory-efficient) for this chapter's attention shapes in ``dtype``."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(1, heads, seq or block_seq, hidden // heads, device=prof.device, dtype=dtype)
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+            F.scaled_dot_product_attention(q, q, q)
+        return True
+    except RuntimeError:  # "No available kernel": SDPA would fall back to the math kernel
+        return False
+
+
+block_fused = fused_sdpa_runs(block_x.dtype)
+scores_mib = block_batch * heads * block_seq**2 * block_x.element_size() / MIB  # one s x s matrix per head
+print(f"fused SDPA kernel for {block_x.dtype}: {block_fused}; one s x s matrix for the block would take {scores_mib:.0f} MiB")
+
+# %% tags=["remove-input"]
+input_mib = block_x.numel() * block_x.element_size() / MIB
+text = (f"Without checkpointing the block keeps {block_check.iloc[0, 0]:.0f} MiB for backward"
+        + (f" (a fused SDPA kernel ran, so none of it is the {scores_mib:.0f} MiB $s \\times s$ matrix)" if block_fused
+           else f", the {scores_mib:.0f} MiB $s \\times s$ matrix of the math fallback included")
+        + f"; checkpointed, it keeps {block_check.iloc[1, 0]:.0f} MiB, "
+        + (f"its input ({input_mib:.0f} MiB), which `checkpoint` saves so that it can run the block again. "
+           if abs(block_check.iloc[1, 0] - input_mib) < 1 else f"against its input's {input_mib:.0f} MiB. ")
+        + f"The gradients agree to {block_check.iloc[1, 2]:.1e}. Without restoring the generator's state they are off "
+        f"by {block_check.iloc[2, 2]:.2f}: dropout drew other masks in the recomputation, so the backward pass "
+        f"differentiated a different function than the forward pass computed, silently.")
+if prof.on_gpu:
+    text += (f"\n\nOn the GPU the peak above the starting point is {block_check.iloc[0, 1]:.0f} MiB without "
+             f"checkpointing and {block_check.iloc[1, 1]:.0f} MiB with it: for a single block, checkpointing moves "
+             f"the activations from the forward pass to the backward pass rather than removing them, because the "
+             f"recomputation rebuilds all of them before the block's backward can run.")
+display(Markdown(text))
+
+# %% [markdown]
+# In a stack of $L$ blocks only one block is rebuilt at a time, so the peak
 # holds one block's activations instead of $L$; that is where the savings of section 4.3 come from.
 
 # %%
@@ -441,15 +492,22 @@ freed = cleanup.free(globals(), "block", "block_x", "plain_grads", "ckpt_grads",
 # ## 4.3 In practice: `gradient_checkpointing_enable()`
 #
 # Transformers models implement the layer-boundary version: `model.gradient_checkpointing_enable()` wraps every
-# transformer layer's call in `torch.utils.checkpoint`, so each layer keeps only its input. (Newer transformers
-# releases, 5.23 for one, call it `activation_checkpointing_enable` and keep the old name as a deprecated alias; the function
-# below uses whichever exists, with the non-reentrant checkpoint.) We measure the two models of chapter 3 in the
-# seeds' setups: bert-large in fp32 at 512 tokens, and the 1.3B GPT-NeoX with fp16 weights, eager attention and
-# 256 tokens. For each batch size, with and without checkpointing: the peak allocated memory of a training step
-# and its time (median of three after a warm-up step). To compare with theory we also time the forward pass
-# alone: recomputing every layer once should cost about one forward pass.
+# transformer layer's call in `torch.utils.checkpoint`, so each layer keeps only its input. (Recent transformers
+# releases also call it `activation_checkpointing_enable`; the function below uses whichever the installed
+# version has, with the non-reentrant checkpoint, and the cell prints which.) We measure the two models of
+# chapter 3 in the sources' setups: bert-large in fp32 at 512 tokens, and the 1.3B GPT-NeoX with fp16 weights,
+# eager attention and 256 tokens. For each batch size, with and without checkpointing: the peak allocated
+# memory of a training step and its time, with `time_it` (ten steps after a warm-up step, their spread, the GPU
+# kernel time and the GPU-busy fraction from two profiled steps).
+#
+# To compare with theory we also time the forward pass alone. Checkpointing recomputes the transformer layers,
+# not the embeddings, the output head or the loss, so for the 1.3B model we also time the forward pass of its
+# layers without the head and the loss (`model.base_model`). The prediction is the GPU kernel time of the layers'
+# forward pass, as a share of the plain step's time: what recomputing them adds where the GPU is the limit.
 
 # %%
+import transformers
+
 SETUPS = {
     "bert-large-uncased": dict(head="sequence-classification", dtype=torch.float32, attn_implementation="sdpa",
                                seq_len=prof.pick(tiny=64, full=512)),
@@ -479,16 +537,26 @@ def train_step(model, optimizer, batch):
         optimizer.zero_grad(set_to_none=True)
 
 
+RENAMED = hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
+print(f"transformers {transformers.__version__}: "
+      + ("activation_checkpointing_enable (gradient_checkpointing_enable kept as the old name)" if RENAMED
+         else "gradient_checkpointing_enable"))
+
+
 def set_checkpointing(model, on):
     """Turn the model's gradient (activation) checkpointing on or off, non-reentrant."""
-    renamed = hasattr(model, "activation_checkpointing_enable")
     if on:
-        (model.activation_checkpointing_enable if renamed else model.gradient_checkpointing_enable)({"use_reentrant": False})
+        (model.activation_checkpointing_enable if RENAMED else model.gradient_checkpointing_enable)({"use_reentrant": False})
     else:
-        (model.activation_checkpointing_disable if renamed else model.gradient_checkpointing_disable)()
+        (model.activation_checkpointing_disable if RENAMED else model.gradient_checkpointing_disable)()
 
 
-def measure_step(name, model, optimizer, batch_size, time_forward):
+def kernel_s(timed):
+    """GPU kernel time per call (s); the wall time on a CPU, where there is no GPU."""
+    return timed.kernel_s if timed.kernel_s is not None else timed.median_s
+
+
+def measure_step(name, model, optimizer, batch_size, time_forward, key):
     batch = make_batch(name, batch_size)
     try:  # warm-up step (AdamW's states on first use), counting what the forward pass keeps
         with accounting.SavedTensorMeter(model) as saved:
@@ -497,48 +565,83 @@ def measure_step(name, model, optimizer, batch_size, time_forward):
         optimizer.step()
     finally:
         optimizer.zero_grad(set_to_none=True)
+    del loss
     measure.reset_peak(prof.device)
-    timing = measure.time_fn(lambda: train_step(model, optimizer, batch), device=prof.device, warmup=0, repeat=3)
-    row = {"step time (s)": timing.median_s, "samples/s": batch_size / timing.median_s,
-           "saved for backward (GiB)": saved.total_bytes / GIB,
+    step = timing.time_it(lambda: train_step(model, optimizer, batch), device=prof.device, warmup=0, repeat=10,
+                          profile_steps=2)
+    gc_timed[key] = step
+    row = {"step time (s)": step.median_s, "step IQR (s)": step.wall.iqr, "step GPU kernel time (s)": kernel_s(step),
+           "GPU busy": step.gpu_busy if step.gpu_busy is not None else float("nan"), "verdict": step.verdict,
+           "samples/s": batch_size / step.median_s, "saved for backward (GiB)": saved.total_bytes / GIB,
            "peak allocated (GiB)": torch.cuda.max_memory_allocated() / GIB if prof.on_gpu else float("nan")}
     if time_forward:
-        row["forward time (s)"] = measure.time_fn(lambda: model(**batch).loss, device=prof.device,
-                                                  warmup=1, repeat=3).median_s
+        fwd = timing.time_it(lambda: model(**batch).loss, device=prof.device, warmup=1, repeat=10, profile_steps=1)
+        row["forward time (s)"], row["forward GPU kernel time (s)"] = fwd.median_s, kernel_s(fwd)
+        row["layer forward GPU kernel time (s)"] = kernel_s(fwd)  # bert's classifier head: one tiny matmul
+        if SETUPS[name]["head"] == "causal-lm":
+            body = timing.time_it(lambda: model.base_model(input_ids=batch["input_ids"]).last_hidden_state,
+                                  device=prof.device, warmup=1, repeat=10, profile_steps=1)
+            row["layer forward GPU kernel time (s)"] = kernel_s(body)
     return row
 
 
-batch_sizes = prof.pick(tiny=[2, 4, 8], full=[4, 8, 16, 32])
-gc_rows = []
+batch_sizes = prof.pick(tiny=[2, 4], full=[4, 8, 16, 32])
+gc_rows, gc_timed, model_shape = [], {}, {}
 for name in SETUPS:
     model, optimizer = build(name)
+    head = model.get_output_embeddings()
+    model_shape[name] = {"layers": model.config.num_hidden_layers, "hidden": model.config.hidden_size,
+                         "vocab": model.config.vocab_size,
+                         "forward FLOPs per token": flops.flops_per_token(
+                             flops.matmul_params(model), model.config.num_hidden_layers, model.config.hidden_size,
+                             SETUPS[name]["seq_len"], training=False),
+                         "head FLOPs per token": 2 * head.weight.numel() if head is not None else 0}
+    del head
     for on in (False, True):
         set_checkpointing(model, on)
         for bs in batch_sizes:
             attempt = batching.try_batch(
-                lambda b, n=name, m=model, o=optimizer, t=not on: measure_step(n, m, o, b, t), bs)
+                lambda b, n=name, m=model, o=optimizer, t=not on: measure_step(n, m, o, b, t, (n, b, t)), bs)
             gc_rows.append({"model": name, "checkpointing": on, "batch": bs,
                             **(attempt.value if attempt.fits else {"result": f"out of memory ({attempt.error})"})})
-    freed = cleanup.free(globals(), "model", "optimizer")
+    freed = cleanup.free(globals(), "model", "optimizer", "attempt")
 gc_table = pd.DataFrame(gc_rows).set_index(["model", "batch", "checkpointing"]).sort_index()
+shapes = pd.DataFrame(model_shape).T
+shapes["head share of forward FLOPs"] = shapes["head FLOPs per token"] / shapes["forward FLOPs per token"]
 gc_table
 
 # %% [markdown]
-# Every configuration ran on the whole card (through `batching.try_batch`, so that on a T4 the ones that do not
-# fit become rows that say so). Which would fit the emulated T4, and what did checkpointing save and cost?
+# Every configuration ran on the whole card (through `batching.try_batch`, so that on a smaller GPU the ones
+# that do not fit become rows that say so). Which would fit the emulated T4, and what did checkpointing save and
+# cost? The *noise* column is the sum of the two steps' IQRs, as a share of the plain step: a difference between
+# measured and predicted cost smaller than it (or than 5 points) counts as agreement.
 
 # %%
-wide = gc_table[["saved for backward (GiB)", "peak allocated (GiB)", "step time (s)"]].unstack("checkpointing")
+plain = gc_table.xs(False, level="checkpointing")
+ckpt = gc_table.xs(True, level="checkpointing")
 summary = pd.DataFrame({
-    "saved, plain (GiB)": wide[("saved for backward (GiB)", False)],
-    "saved, checkpointed (GiB)": wide[("saved for backward (GiB)", True)],
-    "peak, plain (GiB)": wide[("peak allocated (GiB)", False)],
-    "peak, checkpointed (GiB)": wide[("peak allocated (GiB)", True)],
-    "memory saved (%)": 100 * (1 - wide[("peak allocated (GiB)", True)] / wide[("peak allocated (GiB)", False)]),
-    "time overhead (%)": 100 * (wide[("step time (s)", True)] / wide[("step time (s)", False)] - 1),
-    "predicted: forward / step (%)": 100 * gc_table.xs(False, level="checkpointing")["forward time (s)"]
-    / wide[("step time (s)", False)],
+    "peak, plain (GiB)": plain["peak allocated (GiB)"],
+    "peak, checkpointed (GiB)": ckpt["peak allocated (GiB)"],
+    "memory saved (%)": 100 * (1 - ckpt["peak allocated (GiB)"] / plain["peak allocated (GiB)"]),
+    "time overhead (%)": 100 * (ckpt["step time (s)"] / plain["step time (s)"] - 1),
+    "noise (%)": 100 * (plain["step IQR (s)"] + ckpt["step IQR (s)"]) / plain["step time (s)"],
+    "predicted: layer forward / step (%)": 100 * plain["layer forward GPU kernel time (s)"] / plain["step time (s)"],
+    "GPU work added (ms)": 1e3 * (ckpt["step GPU kernel time (s)"] - plain["step GPU kernel time (s)"]),
+    "layer forward GPU work (ms)": 1e3 * plain["layer forward GPU kernel time (s)"],
+    "head + loss share of forward GPU time": 1 - plain["layer forward GPU kernel time (s)"]
+    / plain["forward GPU kernel time (s)"],
+    "GPU busy, plain": plain["GPU busy"],
+    "GPU busy, checkpointed": ckpt["GPU busy"],
+    "verdict, checkpointed": ckpt["verdict"],
 })
+gap = summary["time overhead (%)"] - summary["predicted: layer forward / step (%)"]
+tolerance = np.maximum(summary["noise (%)"], 5.0)
+summary["measured vs predicted"] = np.where(gap.abs() <= tolerance, "agrees",
+                                            np.where(gap > 0, "costs more", "costs less"))
+summary.loc[summary["time overhead (%)"].isna(), "measured vs predicted"] = "—"
+summary["checkpointed vs plain"] = [
+    timing.compare({"plain": gc_timed[(n, b, True)], "ckpt": gc_timed[(n, b, False)]}, "plain")["ckpt"]["difference"]
+    if (n, b, True) in gc_timed and (n, b, False) in gc_timed else "—" for n, b in summary.index]
 if prof.on_gpu:
     summary["fits T4 plain"] = summary["peak, plain (GiB)"] <= t4_budget_gib
     summary["fits T4 checkpointed"] = summary["peak, checkpointed (GiB)"] <= t4_budget_gib
@@ -546,82 +649,160 @@ if prof.is_full and prof.on_gpu:
     for key, name in (("bert", "bert-large-uncased"), ("llm", "polyglot-ko-1.3b")):
         part = summary.loc[name]
         glue(f"{key}_saved_pct_max", part["memory saved (%)"].max())
-        glue(f"{key}_saved_pct_min", part["memory saved (%)"].min())
         glue(f"{key}_overhead_pct_mean", part["time overhead (%)"].mean())
-        glue(f"{key}_predicted_pct_mean", part["predicted: forward / step (%)"].mean())
-        for b in (part.index.min(), part.index.max()):
-            glue(f"{key}_overhead_pct_b{b}", part.loc[b, "time overhead (%)"])
-            glue(f"{key}_predicted_pct_b{b}", part.loc[b, "predicted: forward / step (%)"])
-        glue(f"{key}_peak_plain_32", part.loc[32, "peak, plain (GiB)"])
-        glue(f"{key}_peak_ckpt_32", part.loc[32, "peak, checkpointed (GiB)"])
-        for col, suffix in (("fits T4 plain", "plain"), ("fits T4 checkpointed", "ckpt")):
-            fitting = part.index[part[col].to_numpy()]
-            glue(f"{key}_t4_max_{suffix}", int(fitting.max()) if len(fitting) else 0)
-summary
+summary.drop(columns=["verdict, checkpointed"]).style.format(precision=2, na_rep="—")
 
 # %%
-fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
 for ax, name in zip(axes, SETUPS):
     part = gc_table.loc[name]
     column = "peak allocated (GiB)" if prof.on_gpu else "saved for backward (GiB)"  # no allocator on a CPU
     for on, style, label in ((False, "o-", "without checkpointing"), (True, "s-", "with checkpointing")):
-        rows = part.xs(on, level="checkpointing").dropna(subset=["step time (s)"])
-        ax.plot(rows.index, rows[column], style, label=label)
+        rows = part.xs(on, level="checkpointing")
+        ok = rows.dropna(subset=["step time (s)"])
+        line, = ax.plot(ok.index, ok[column], style, label=label)
+        failed = rows.index[rows["step time (s)"].isna()]
+        if len(failed):  # a cross on the axis: no memory number exists for a step that failed
+            ax.plot(failed, [0] * len(failed), "x", color=line.get_color(), markersize=10, markeredgewidth=2,
+                    clip_on=False, label=f"{label}: out of memory")
     if prof.on_gpu:
         ax.axhline(t4_budget_gib, color="grey", linestyle=":", label="emulated T4 budget")
     ax.set_xscale("log", base=2)
+    ax.set_xticks(batch_sizes, [str(b) for b in batch_sizes])
     ax.set_ylim(bottom=0)
-    ax.set_title(f"{name}, seq {SETUPS[name]['seq_len']}")
+    saved_pct = summary.loc[name, "memory saved (%)"] if prof.on_gpu else None
+    ax.set_title(f"{name}, seq {SETUPS[name]['seq_len']}" + (
+        f": {saved_pct.max():.0f}% less at batch {int(saved_pct.idxmax())}" if saved_pct is not None
+        and saved_pct.notna().any() else ""), fontsize=10)
     ax.set_xlabel("batch size (samples)")
     ax.set_ylabel(column.replace("(GiB)", "of a step (GiB)") if prof.on_gpu else column)
-axes[0].legend()
+handles = {lab: h for ax in axes for h, lab in zip(*ax.get_legend_handles_labels())}
+fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=3, fontsize=8)
 fig.suptitle("Checkpointing every layer flattens the memory's growth with the batch")
-fig.tight_layout()
+fig.tight_layout(rect=(0, 0.1, 1, 1))
+
+# %% tags=["remove-input"]
+if prof.on_gpu:
+    lines = []
+    for name in SETUPS:
+        part = summary.loc[name].dropna(subset=["memory saved (%)"])
+        top = part.index.max()
+        little = [int(b) for b in part.index if part.loc[b, "memory saved (%)"] < 2]
+        text = (f"- **{name}**: checkpointing cut the peak by {part['memory saved (%)'].min():.0f} to "
+                f"{part['memory saved (%)'].max():.0f}%, at batch {top} from {part.loc[top, 'peak, plain (GiB)']:.1f} to "
+                f"{part.loc[top, 'peak, checkpointed (GiB)']:.1f} GiB.")
+        if little:
+            text += (f" At batch {', '.join(map(str, little))} it saves (almost) nothing: the peak there is not in the "
+                     f"forward pass but in the backward pass or the optimizer step (weights, gradients, both AdamW states "
+                     f"and the step's temporary buffer, chapter 1), where there are no layer activations to drop.")
+        fits_p = [int(b) for b in part.index if part.loc[b, "fits T4 plain"]]
+        fits_c = [int(b) for b in part.index if part.loc[b, "fits T4 checkpointed"]]
+        text += (f" Under the emulated T4 it fits up to batch {max(fits_p) if fits_p else 'none'} of those measured "
+                 f"without checkpointing and {max(fits_c) if fits_c else 'none'} with it.")
+        lines.append(text)
+    display(Markdown("\n".join(lines) + "\n\nThe fixed part (weights, gradients, optimizer states) does not move; "
+                     "the saving grows with the batch, as the activations' share of the peak does."))
+else:
+    print("skipped on CPU: peak memory and the T4 budget need a GPU (the figure shows the bytes saved for backward)")
 
 # %% [markdown]
-# Checkpointing cut the peak by {glue:text}`bert_saved_pct_min:.0f` to {glue:text}`bert_saved_pct_max:.0f`% for
-# bert-large and by up to {glue:text}`llm_saved_pct_max:.0f`% for the 1.3B model, more at larger batches, where
-# activations are a larger share of the total (at batch 32: from {glue:text}`bert_peak_plain_32:.1f` to
-# {glue:text}`bert_peak_ckpt_32:.1f` GiB, and from {glue:text}`llm_peak_plain_32:.1f` to
-# {glue:text}`llm_peak_ckpt_32:.1f` GiB). The fixed part, weights, gradients and optimizer states, does not move.
-# For the 1.3B model at batches 4 and 8 checkpointing saves nothing at all: its peak there is the optimizer step
-# (weights, gradients, both states and the step's temporary buffer, chapter 1), which has no activations to
-# drop. Under the emulated T4, bert-large fits up to batch {glue:text}`bert_t4_max_plain` of those measured
-# without checkpointing and {glue:text}`bert_t4_max_ckpt` with it; the 1.3B model up to
-# {glue:text}`llm_t4_max_plain` and {glue:text}`llm_t4_max_ckpt`.
-#
-# **The price.** Recomputing every layer once should cost one more forward pass. A forward pass is about a third
-# of forward plus backward (the backward pass does two matrix products for each one of the forward pass,
-# chapter 1), so the rule of thumb is 33% of the forward-backward time; the optimizer step is not repeated, so
-# the whole step slows down less. We predict each configuration's overhead from its own timed forward pass. For
-# bert-large the prediction holds: {glue:text}`bert_overhead_pct_mean:.0f`% slower on average, against
-# {glue:text}`bert_predicted_pct_mean:.0f`% predicted. For the 1.3B model it does not, in either direction. At
-# batch 4 the step became {glue:text}`llm_overhead_pct_b4:.0f`% slower where the forward pass predicts
-# {glue:text}`llm_predicted_pct_b4:.0f`%: at that size the GPU is not busy (chapter 3: throughput was still
-# climbing steeply), each step's time is set by launching thousands of small kernels and by Python, and the
-# recomputation launches the layers' kernels again and adds the checkpoint's own hooks for each of the 24 layers.
-# At batch 32 it cost {glue:text}`llm_overhead_pct_b32:.0f`% against {glue:text}`llm_predicted_pct_b32:.0f`%:
-# the timed forward pass includes the output head and the loss over a 30,080-word vocabulary, a large share of
-# this model's forward work, which checkpointing does not recompute (only the transformer layers are
-# checkpointed). The Hugging Face guide's rule of thumb, about 20%, is for the second regime; measure where your
-# own batch sits.
+# **The price.** Recomputing every layer once should cost one more forward pass of the layers: a third of their
+# forward and backward time (the backward pass does two matrix products for each one of the forward pass,
+# chapter 1). The optimizer step, the embeddings, the output head and the loss are not repeated, so the whole
+# step slows down by less than a third. The prediction of each configuration is its own measured forward pass
+# of the layers:
 
 # %%
-fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), sharey=True)
 for ax, name in zip(axes, SETUPS):
     part = summary.loc[name]
     x = np.arange(len(part))
-    ax.bar(x - 0.2, part["time overhead (%)"], width=0.4, label="measured: checkpointed / plain - 1")
-    ax.bar(x + 0.2, part["predicted: forward / step (%)"], width=0.4, label="predicted: one more forward pass")
+    measured = part["time overhead (%)"].to_numpy()
+    ax.bar(x - 0.2, np.nan_to_num(measured), width=0.4, yerr=part["noise (%)"].fillna(0).to_numpy(), capsize=3,
+           label="measured: checkpointed / plain - 1 (error bar: noise)")
+    ax.bar(x + 0.2, part["predicted: layer forward / step (%)"].fillna(0).to_numpy(), width=0.4,
+           label="predicted: one more forward pass of the layers")
+    oom = np.isnan(measured)
+    if oom.any():  # (an empty plot with clip_on=False upsets tight_layout)
+        ax.plot(x[oom] - 0.2, [0] * int(oom.sum()), "x", color="k", markersize=10, markeredgewidth=2, clip_on=False,
+                label="out of memory")
     ax.axhline(100 / 3, color="grey", linestyle=":", label="33%: a forward is 1/3 of forward + backward")
     ax.set_xticks(x, [str(b) for b in part.index])
-    ax.set_title(name)
+    agree = int((part["measured vs predicted"] == "agrees").sum())
+    ax.set_title(f"{name}\nmeasured = predicted at {agree} of {int((~oom).sum())} batch sizes", fontsize=9)
     ax.set_xlabel("batch size (samples)")
 axes[0].set_ylabel("slower step (%)")
-fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8)
-fig.suptitle("Checkpointing costs about one extra forward pass per step")
-fig.tight_layout(rect=(0, 0.08, 1, 1))
+handles = {lab: h for ax in axes for h, lab in zip(*ax.get_legend_handles_labels())}
+fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=2, fontsize=8)
+agree_all = int((summary["measured vs predicted"] == "agrees").sum())
+fig.suptitle("Checkpointing's cost against one more forward pass of the layers" + (
+    ": they agree" if agree_all == int(summary["time overhead (%)"].notna().sum()) else ""))
+fig.tight_layout(rect=(0, 0.12, 1, 1))
 
+# %% tags=["remove-input"]
+if prof.on_gpu:
+    lines = []
+    for name in SETUPS:
+        part = summary.loc[name].dropna(subset=["time overhead (%)"])
+        items = [f"batch {b}: {r['time overhead (%)']:+.0f}% ({r['checkpointed vs plain']}; noise {r['noise (%)']:.0f}), predicted "
+                 f"{r['predicted: layer forward / step (%)']:.0f}%, *{r['measured vs predicted']}*, GPU busy "
+                 f"{r['GPU busy, plain']:.0%} plain" for b, r in part.iterrows()]
+        lines.append(f"- **{name}**: " + "; ".join(items) + ".")
+        more = part[part["measured vs predicted"] == "costs more"]
+        host = (more["verdict, checkpointed"] == "host-bound") | (more["GPU busy, plain"] < timing.HOST_BOUND_BUSY)
+        for group, is_host in ((more[host], True), (more[~host], False)):
+            if not len(group):
+                continue
+            b = group.index[0]
+            r = group.loc[b]
+            matches = abs(r["GPU work added (ms)"] - r["layer forward GPU work (ms)"]) < 0.3 * r["layer forward GPU work (ms)"]
+            text = (f"  Where it costs more than predicted (batch {', '.join(map(str, group.index))}), the GPU work it "
+                    f"adds is {r['GPU work added (ms)']:.1f} ms at batch {b}, against "
+                    f"{r['layer forward GPU work (ms)']:.1f} ms for the layers' forward pass: ")
+            if is_host and matches:
+                text += ("the GPU does about one forward pass more, as theory says, but the step is host-bound (GPU busy "
+                         f"{r['GPU busy, checkpointed']:.0%} with checkpointing), so what sets its time is the CPU, and the "
+                         "recomputation launches every layer's kernels a second time and runs the checkpoint's Python "
+                         "hooks for each layer.")
+            elif matches:
+                text += (f"the GPU does about one forward pass more, and the step is not host-bound (GPU busy "
+                         f"{r['GPU busy, checkpointed']:.0%} with checkpointing); the difference is within "
+                         f"{abs(r['time overhead (%)'] - r['predicted: layer forward / step (%)']):.0f} points of the "
+                         f"prediction, a little more than this measurement's noise.")
+            else:
+                text += ("the extra GPU work itself is not one forward pass of the layers; the profile kept in "
+                         "`gc_timed` (`.profile.categories()`) shows where it goes.")
+            lines.append(text)
+        less = part[part["measured vs predicted"] == "costs less"]
+        if len(less):
+            b = less.index[-1]
+            r = less.loc[b]
+            lines.append(
+                f"  Where it costs less than predicted (batch {', '.join(map(str, less.index))}), the GPU work added at "
+                f"batch {b} is {r['GPU work added (ms)']:.1f} ms against {r['layer forward GPU work (ms)']:.1f} ms of "
+                f"forward work: the recomputed forward runs inside the backward pass, where its kernels are issued "
+                f"while the GPU is still busy, and the GPU busy fraction rose from {r['GPU busy, plain']:.0%} to "
+                f"{r['GPU busy, checkpointed']:.0%}.")
+    s = shapes.loc["polyglot-ko-1.3b"]
+    head_time = summary.loc["polyglot-ko-1.3b", "head + loss share of forward GPU time"]
+    lines.append(
+        f"\nThe 1.3B model's output head and loss are a small part of its forward pass: "
+        f"{s['head share of forward FLOPs']:.1%} of its FLOPs (a {int(s['vocab']):,}-word vocabulary at hidden size "
+        f"{int(s['hidden']):,}, against {int(s['layers'])} layers) and "
+        + (f"{head_time.min():.0%} to {head_time.max():.0%}" if round(100 * head_time.min()) != round(100 * head_time.max())
+           else f"{head_time.max():.0%}")
+        + " of its forward GPU time; the prediction above already leaves them out, so they do not explain a gap "
+        "between measured and predicted cost.")
+    busy_rows = summary[(summary["GPU busy, plain"] >= timing.GPU_BOUND_BUSY) & summary["time overhead (%)"].notna()]
+    lines.append(
+        f"Where the GPU is the limit (busy {timing.GPU_BOUND_BUSY:.0%} or more without checkpointing), checkpointing cost "
+        f"{busy_rows['time overhead (%)'].min():.0f} to {busy_rows['time overhead (%)'].max():.0f}% here; the Hugging "
+        f"Face guide's rule of thumb is about 20%. Measure where your own batch sits." if len(busy_rows) else
+        "None of these configurations kept the GPU busy most of the time, so none tests the Hugging Face guide's rule "
+        "of thumb (about 20% slower) for GPU-bound steps.")
+    display(Markdown("\n".join(lines)))
+else:
+    print("skipped on CPU: GPU kernel time and GPU-busy need a GPU, and a CPU's timings say nothing about a GPU's")
 
 # %% [markdown]
 # **The LLM book's case.** The book's 1.3B model ran out of memory at batch 16 on a T4 (chapters 1 and 3) and,
@@ -659,12 +840,22 @@ if prof.is_full and prof.on_gpu:
 book
 
 
+# %% tags=["remove-input"]
+if prof.on_gpu:
+    r0, r1 = book_rows["bs 16"], book_rows["bs 16 + checkpointing"]
+    text = (f"Without checkpointing, batch 16 fails again ({r0['result']}). " if "result" in r0 else
+            f"Without checkpointing, batch 16 fits here (peak {r0['peak allocated (GiB)']:.2f} GiB), unlike on the "
+            f"book's T4. ")
+    text += (f"With it, the run does not fit either ({r1['result']})." if "result" in r1 else
+             f"With it, the run fits, and read where the book reads it, memory is "
+             f"{r1['allocated after 1st step (GiB)']:.2f} GiB against the book's 10.29: the 9.92 GiB of fp16 weights, "
+             f"gradients and AdamW states, plus what is alive at that moment. The peak of the run is "
+             f"{r1['peak allocated (GiB)']:.2f} GiB, under the T4's budget of {t4_budget_gib:.2f} GiB.")
+    display(Markdown(text))
+else:
+    print("skipped on CPU: the book's numbers are GPU memory readings under a T4's budget")
+
 # %% [markdown]
-# Without checkpointing, batch 16 fails again ("{glue:text}`book_plain_result`"). With it, the run fits, and
-# read where the book reads it, memory is {glue:text}`book_ckpt_first_gib:.2f` GiB against the book's 10.29: the
-# 9.92 GiB of fp16 weights, gradients and AdamW states, plus what is alive at that moment. The peak of the run is
-# {glue:text}`book_ckpt_peak_gib:.2f` GiB, under the T4's budget.
-#
 # **The Hugging Face guide's rows.** The guide adds checkpointing to bert-large at batch 1 with 4 accumulation
 # steps (on a V100: 66.03 s and 8,681 MiB without, 85.47 s and 6,775 MiB with, for 512 samples). The same pair
 # here, with chapter 3's accumulation loop, time per optimizer step:
@@ -683,49 +874,63 @@ def accumulate(model, optimizer, micro_batches):
 name = "bert-large-uncased"
 model, optimizer = build(name)
 micro = [make_batch(name, 1, seed=i) for i in range(4)]
-hf_rows = {}
+hf_rows, hf_timed = {}, {}
 for on in (False, True):
+    label = "bs 1 x ga 4" + (" + checkpointing" if on else "")
     set_checkpointing(model, on)
     accumulate(model, optimizer, micro)  # warm-up
     measure.reset_peak(prof.device)
-    timing = measure.time_fn(lambda: accumulate(model, optimizer, micro), device=prof.device, warmup=0, repeat=3)
-    hf_rows["bs 1 x ga 4" + (" + checkpointing" if on else "")] = {
-        "step time (s)": timing.median_s, "samples/s": 4 / timing.median_s,
+    hf_timed[label] = t = timing.time_it(lambda: accumulate(model, optimizer, micro), device=prof.device, warmup=0,
+                                         repeat=10, profile_steps=1)
+    hf_rows[label] = {
+        "step time (s)": t.median_s, "step IQR (s)": t.wall.iqr, "samples/s": 4 / t.median_s,
+        "GPU busy": t.gpu_busy if t.gpu_busy is not None else float("nan"),
         "peak allocated (GiB)": torch.cuda.max_memory_allocated() / GIB if prof.on_gpu else float("nan")}
-freed = cleanup.free(globals(), "model", "optimizer", "micro")
+freed = cleanup.free(globals(), "model", "optimizer", "micro", "t")
 hf = pd.DataFrame(hf_rows).T
 hf["HF docs V100: samples/s"] = [7.75, 5.99]
 hf["HF docs V100: NVML used (MiB)"] = [8681, 6775]
 time_ratio = hf["step time (s)"].iloc[1] / hf["step time (s)"].iloc[0]
 if prof.is_full and prof.on_gpu:
     glue("hf_time_ratio", time_ratio)
-    glue("hf_docs_time_ratio", 85.47 / 66.03)
-    glue("hf_mem_ratio", hf["peak allocated (GiB)"].iloc[1] / hf["peak allocated (GiB)"].iloc[0])
-    glue("hf_docs_mem_ratio", 6775 / 8681)
 hf
 
-# %% [markdown]
-# Checkpointing makes this configuration {glue:text}`hf_time_ratio:.2f` times slower here; the guide measured
-# {glue:text}`hf_docs_time_ratio:.2f` times on its V100. The peak does not fall at all (ratio
-# {glue:text}`hf_mem_ratio:.2f`), where the guide's NVML reading fell to {glue:text}`hf_docs_mem_ratio:.2f`: at
-# batch 1 our peak is the optimizer step, weights, gradients, AdamW's states and the step's temporary buffer,
-# none of which checkpointing touches (NVML, which the guide read, also counts the allocator's cache, which does
-# shrink). And the time is worse than on the V100 because on the H200 a batch of one sequence leaves the GPU
-# idle most of the step: the step's time is launching kernels, and the recomputation launches the forward
-# pass's kernels again. At batch 1 checkpointing buys nothing and costs the most; it pays at the other end,
-# where a batch does not fit at all.
+# %% tags=["remove-input"]
+if prof.on_gpu:
+    cmp = timing.compare(hf_timed, "bs 1 x ga 4")["bs 1 x ga 4 + checkpointing"]
+    mem_ratio = hf["peak allocated (GiB)"].iloc[1] / hf["peak allocated (GiB)"].iloc[0]
+    busy = hf["GPU busy"].iloc[0]
+    noise_word = "within the noise" if cmp["difference"] == "within the noise" else "beyond the noise"
+    text = (f"Checkpointing makes this configuration {time_ratio:.2f} times slower here ({noise_word}); the "
+            f"guide measured {85.47 / 66.03:.2f} times on its V100. ")
+    text += (f"The peak does not fall (ratio {mem_ratio:.2f}), where the guide's NVML reading fell to "
+             f"{6775 / 8681:.2f}: at batch 1 our peak is the optimizer step, weights, gradients, AdamW's states and the "
+             f"step's temporary buffer, none of which checkpointing touches (NVML, which the guide read, also counts "
+             f"the allocator's cache, which does shrink). " if mem_ratio > 0.97 else
+             f"The peak falls to {mem_ratio:.2f} of the plain one (the guide's NVML reading: {6775 / 8681:.2f}). ")
+    if busy < timing.HOST_BOUND_BUSY:
+        text += (f"A batch of one sequence keeps this GPU ({cap.name}) busy only {busy:.0%} of the step: its time is "
+                 f"the CPU launching kernels, and the recomputation launches the forward pass's kernels again. ")
+    text += ("At batch 1 checkpointing buys little and costs the most; it pays at the other end, where a batch does "
+             "not fit at all.")
+    display(Markdown(text))
+else:
+    print("skipped on CPU: peak memory and GPU-busy need a GPU")
 
 # %% [markdown]
-# ## 4.4 Beyond the seeds: checkpoint less, or move the activations away
+# ## 4.4 Beyond the sources: checkpoint less, or move the activations away
 #
 # Checkpointing whole layers recomputes everything. Two refinements trade differently.
 #
-# **Selective checkpointing.** {cite:t}`korthikanti2022reducing` observe that the parts of a transformer layer
+# **Selective checkpointing.** [Korthikanti et al. (2022)](../book/references.md) observe that the parts of a transformer layer
 # that store the most are not the parts that compute the most: the attention matrix, its softmax and dropout (the
 # $5as^2b$ bytes of chapter 1's formula) cost few FLOPs and many bytes. They recompute only those. A fused
-# attention kernel already does exactly that: FlashAttention {cite:p}`dao2022flashattention` and PyTorch's SDPA
-# never store the matrix and rebuild it in the backward pass. With SDPA, the remaining choice is coarser: recompute
-# the attention half of the block or the MLP half. Our `Block` can do either; we stack several and measure.
+# attention kernel already does exactly that: FlashAttention ([Dao et al., 2022](../book/references.md)) and PyTorch's SDPA with its
+# flash or memory-efficient kernel never store the matrix and rebuild it in the backward pass. SDPA's math
+# fallback, which it uses when no fused kernel supports the inputs (bf16 below compute capability 8.0, for
+# one), stores it like eager attention; the stack below uses `profiles.amp_dtype()` (fp16 on such GPUs) and checks
+# that a fused kernel runs. With a fused kernel, the remaining choice is coarser: recompute the attention half of
+# the block or the MLP half. Our `Block` can do either; we stack several and measure.
 #
 # **Offloading.** Instead of recomputing activations, keep them in the CPU's memory:
 # `torch.autograd.graph.save_on_cpu(pin_memory=True)` is a saved-tensor hook pair that copies every saved tensor
@@ -733,15 +938,18 @@ hf
 # the PCIe bus, which PyTorch issues on the same stream as the computation, so they add to the step's time
 # instead of hiding behind it.
 #
-# Each mode below runs forward and backward (no optimizer) on a stack of blocks in bf16 (fp32 in the tiny
-# profile), batch 8 of 512 tokens. Columns: bytes kept for backward on the device (`SavedTensorMeter`, entered inside `save_on_cpu`: it
+# Each mode below runs forward and backward (no optimizer) on a stack of blocks in `profiles.amp_dtype()` (bf16
+# on GPUs of compute capability 8.0 and newer, fp16 below; fp32 in the tiny profile), batch 8 of 512 tokens,
+# timed with `time_it`. Columns: bytes kept for backward on the device (`SavedTensorMeter`, entered inside `save_on_cpu`: it
 # sees every saved tensor, lets `save_on_cpu` move it, and counts what stays on the device), the peak allocated memory
 # above the weights (GPU), the time, and the share of the forward FLOPs that is recomputed (matrix products only:
 # $8h^2 + 4sh$ per token for attention, $16h^2$ for the MLP).
 
 # %%
 n_blocks, stack_batch = prof.pick(tiny=2, full=8), prof.pick(tiny=4, full=8)
-stack_dtype = prof.pick(tiny=torch.float32, full=torch.bfloat16)
+stack_dtype = prof.pick(tiny=torch.float32, full=profiles.amp_dtype())
+stack_fused = fused_sdpa_runs(stack_dtype)
+print(f"stack in {stack_dtype}; fused SDPA kernel (no s x s matrix stored): {stack_fused}")
 torch.manual_seed(0)
 stack = nn.Sequential(*[Block(hidden, heads) for _ in range(n_blocks)]).to(prof.device, stack_dtype).train()
 stack_x = torch.randn(stack_batch, block_seq, hidden, device=prof.device, dtype=stack_dtype)
@@ -776,81 +984,161 @@ def stack_pass(recompute, offload, count=False):
     return meter.kept_bytes(prof.device) if count else None
 
 
-stack_rows = {}
+stack_rows, stack_timed = {}, {}
 for label, (recompute, offload, share) in MODES.items():
     kept = stack_pass(recompute, offload, count=True)  # warm-up, and the count
     measure.reset_peak(prof.device)
     before = torch.cuda.memory_allocated() if prof.on_gpu else 0
-    timing = measure.time_fn(lambda r=recompute, o=offload: stack_pass(r, o), device=prof.device, warmup=1, repeat=prof.pick(tiny=3, full=10))
+    stack_timed[label] = t = timing.time_it(lambda r=recompute, o=offload: stack_pass(r, o), device=prof.device,
+                                            warmup=1, repeat=10, profile_steps=1)
     stack_rows[label] = {
         "kept on device (MiB)": kept / MIB,
         "peak above weights (MiB)": (torch.cuda.max_memory_allocated() - before) / MIB if prof.on_gpu else float("nan"),
-        "forward + backward (ms)": 1e3 * timing.median_s,
+        "forward + backward (ms)": 1e3 * t.median_s,
+        "IQR (ms)": 1e3 * t.wall.iqr,
+        "GPU busy": t.gpu_busy if t.gpu_busy is not None else float("nan"),
         "recomputed share of forward FLOPs": share,
     }
+del t
 stack_table = pd.DataFrame(stack_rows).T
 base_ms = stack_table.loc["store everything", "forward + backward (ms)"]
 stack_table["time vs store everything"] = stack_table["forward + backward (ms)"] / base_ms
+stack_cmp = timing.compare(stack_timed, "store everything")
+stack_table["vs store everything"] = [stack_cmp[label]["difference"] for label in stack_table.index]
 if prof.is_full and prof.on_gpu:
-    for label, key in (("store everything", "none"), ("recompute attention", "attn"), ("recompute MLP", "mlp"),
-                       ("recompute whole block", "block"), ("offload to CPU (save_on_cpu)", "offload")):
-        glue(f"stack_{key}_kept_mib", stack_table.loc[label, "kept on device (MiB)"])
-        glue(f"stack_{key}_peak_mib", stack_table.loc[label, "peak above weights (MiB)"])
+    for label, key in (("recompute whole block", "block"), ("offload to CPU (save_on_cpu)", "offload")):
         glue(f"stack_{key}_time_ratio", stack_table.loc[label, "time vs store everything"])
-    glue("stack_attn_share", MODES["recompute attention"][2])
-    glue("stack_mlp_share", MODES["recompute MLP"][2])
-    moved_gb = stack_table.loc["store everything", "kept on device (MiB)"] * MIB / 1e9
-    extra_s = (stack_table.loc["offload to CPU (save_on_cpu)", "forward + backward (ms)"] - base_ms) / 1e3
-    glue("stack_moved_gb", moved_gb)
-    glue("stack_offload_gbps", 2 * moved_gb / extra_s if extra_s > 0 else float("nan"))
 stack_table
 
 # %%
-fig, ax = plt.subplots()
+fig, ax = plt.subplots(figsize=(8, 4.6))
 palette = {"store everything": "C3", "recompute attention": "C1", "recompute MLP": "C4",
            "recompute whole block": "C0", "offload to CPU (save_on_cpu)": "C2"}
 memory_col = "peak above weights (MiB)" if prof.on_gpu else "kept on device (MiB)"
 for label, row in stack_table.iterrows():
-    ax.scatter(row["time vs store everything"], row[memory_col], s=60, color=palette[label], label=label)
-ax.set_xlabel("forward + backward time, relative to storing everything")
+    t = stack_timed[label]
+    lo, hi = t.wall.q1 / stack_timed["store everything"].median_s, t.wall.q3 / stack_timed["store everything"].median_s
+    ax.errorbar(row["time vs store everything"], row[memory_col], xerr=[[row["time vs store everything"] - lo],
+                [hi - row["time vs store everything"]]], fmt="o", markersize=8, color=palette[label], label=label)
+del t
+ax.set_xlabel("forward + backward time, relative to storing everything (bars: IQR)")
 ax.set_ylabel(f"{memory_col.replace(' (MiB)', '')} (MiB)")
 ax.set_ylim(bottom=0)
-ax.legend(fontsize=8)
-ax.set_title(f"{n_blocks} blocks, hidden {hidden}, batch {stack_batch} x {block_seq}: each mode buys memory with time")
-fig.tight_layout()
+fig.legend(loc="lower center", ncol=3, fontsize=8)
+cheapest = stack_table.drop(index="store everything")["time vs store everything"].idxmin()
+ax.set_title(f"{n_blocks} blocks, hidden {hidden}, batch {stack_batch} x {block_seq}: every mode trades time for "
+             f"memory; cheapest in time: {cheapest}", fontsize=9)
+fig.tight_layout(rect=(0, 0.12, 1, 1))
+
+# %% tags=["remove-input"]
+st = stack_table
+attn_share, mlp_share = MODES["recompute attention"][2], MODES["recompute MLP"][2]
+kept = {k: st.loc[k, "kept on device (MiB)"] for k in st.index}
+cmp_halves = timing.compare({"attention": stack_timed["recompute attention"], "MLP": stack_timed["recompute MLP"]},
+                            "attention")["MLP"]
+text = (f"Storing everything keeps {kept['store everything']:,.0f} MiB for backward"
+        + ("" if stack_fused else ", the $s \\\\times s$ matrices of SDPA's math fallback included")
+        + f". Recomputing the attention half keeps {kept['recompute attention']:,.0f} MiB for {attn_share:.0%} of the "
+        f"forward FLOPs again; recomputing the MLP half keeps {kept['recompute MLP']:,.0f} MiB for {mlp_share:.0%}. ")
+text += ("The MLP half holds more bytes (its 4h-wide intermediate and GeLU input) and has more FLOPs to redo; "
+         if kept["recompute MLP"] < kept["recompute attention"] else
+         "Here the attention half holds more bytes, though the MLP half has more FLOPs to redo; ")
+text += {"slower": f"measured, it also costs more time: {st.loc['recompute MLP', 'time vs store everything']:.2f} "
+                   f"against {st.loc['recompute attention', 'time vs store everything']:.2f} times storing everything. ",
+         "faster": f"measured, though, it costs less time than recomputing attention: "
+                   f"{st.loc['recompute MLP', 'time vs store everything']:.2f} against "
+                   f"{st.loc['recompute attention', 'time vs store everything']:.2f} times storing everything, so the "
+                   f"FLOP count does not predict the time of this small pass. ",
+         "within the noise": f"measured, the two cost the same within the noise "
+                             f"({st.loc['recompute MLP', 'time vs store everything']:.2f} and "
+                             f"{st.loc['recompute attention', 'time vs store everything']:.2f} times storing "
+                             f"everything). "}[cmp_halves["difference"]]
+block = st.loc["recompute whole block"]
+text += (f"Recomputing whole blocks keeps {kept['recompute whole block']:,.0f} MiB, one input per block, and takes "
+         f"{block['time vs store everything']:.2f} times as long as storing everything "
+         f"(one extra forward pass predicts about 1.33). ")
+if prof.on_gpu:
+    t_none, t_block = stack_timed["store everything"], stack_timed["recompute whole block"]
+    if block["time vs store everything"] > 1.33 + (t_none.wall.iqr + t_block.wall.iqr) / t_none.median_s:
+        text += (f"It costs more than the FLOPs predict. One pass through this stack takes "
+                 f"{base_ms:.1f} ms, with the GPU busy {t_none.gpu_busy:.0%} of it (*{t_none.verdict}*); checkpointing "
+                 f"adds GPU work ({(t_block.kernel_s - t_none.kernel_s) * 1e3:.1f} ms of kernels against "
+                 f"{t_none.kernel_s * 1e3:.1f} ms) and per-call costs that so short a pass cannot hide: the checkpoint's "
+                 f"hooks run in Python, it saves and restores the random generator's state, and its recomputation "
+                 f"launches the block's kernels a second time. ")
+    else:
+        text += "That is within what one extra forward pass predicts. "
+    text += (f"The peak, which includes the weights' gradients and the rebuilt activations of one block during its "
+             f"backward pass, falls less than the kept bytes: from {st.loc['store everything', 'peak above weights (MiB)']:,.0f} "
+             f"to {block['peak above weights (MiB)']:,.0f} MiB for whole blocks.")
+    off = st.loc["offload to CPU (save_on_cpu)"]
+    moved_gb = kept["store everything"] * MIB / 1e9
+    extra_s = (off["forward + backward (ms)"] - base_ms) / 1e3
+    text += (f"\n\nOffloading keeps {kept['offload to CPU (save_on_cpu)']:,.0f} MiB for backward on the GPU (peak "
+             f"{off['peak above weights (MiB)']:,.0f} MiB above the weights), and the pass takes "
+             f"{off['time vs store everything']:.1f} times as long ({stack_cmp['offload to CPU (save_on_cpu)']['difference']}"
+             f" than storing everything). ")
+    if extra_s > 0:
+        text += (f"The {moved_gb:.1f} GB of activations (at least: `save_on_cpu` copies a tensor each time an operation "
+                 f"saves it, shared or not) cross the bus twice, which the extra time puts at {2 * moved_gb / extra_s:.0f} "
+                 f"GB/s or more. Here the blocks compute little per byte they save, so the transfers dominate; "
+                 f"offloading pays off where compute per activation byte is high (wide layers) or the copies overlap "
+                 f"with computation on a separate stream, which `save_on_cpu` does not do.")
+else:
+    text += "\n\n(On a CPU there is no device memory to offload to and no GPU time: the GPU run's numbers differ.)"
+display(Markdown(text))
 
 # %% [markdown]
-# Storing everything keeps {glue:text}`stack_none_kept_mib:,.0f` MiB for backward. Recomputing the attention half
-# keeps {glue:text}`stack_attn_kept_mib:,.0f` MiB for {glue:text}`stack_attn_share:.0%` of the forward FLOPs again,
-# and recomputing the MLP half keeps {glue:text}`stack_mlp_kept_mib:,.0f` MiB for
-# {glue:text}`stack_mlp_share:.0%`: the MLP holds more bytes (its 4h-wide intermediate and GeLU input) and costs
-# more to redo. Recomputing whole blocks keeps {glue:text}`stack_block_kept_mib:,.0f` MiB, one input per block.
-# Measured time relative to storing everything: {glue:text}`stack_attn_time_ratio:.2f` (attention),
-# {glue:text}`stack_mlp_time_ratio:.2f` (MLP), {glue:text}`stack_block_time_ratio:.2f` (whole block). That is far
-# more than the recomputed FLOPs predict (one extra forward pass would make the whole-block ratio about 1.33), and
-# it is not the arithmetic: one pass through this stack takes a few milliseconds (the table's first row), and each
-# checkpointed call adds a fixed cost that so short a pass cannot hide: its hooks run in Python, it saves and
-# restores the random generator's state, and its recomputation launches the block's kernels a second time. Section
-# 4.3 showed the other end: on bert-large, with far more work per call, checkpointing cost what the FLOPs predict.
-# Measure on your own model before choosing. The peak,
-# which includes the weights' gradients and the rebuilt activations of one block during its backward pass, falls
-# less than the kept bytes: from {glue:text}`stack_none_peak_mib:,.0f` to
-# {glue:text}`stack_block_peak_mib:,.0f` MiB for whole blocks.
-#
-# Offloading keeps nothing for backward on the GPU (peak {glue:text}`stack_offload_peak_mib:,.0f` MiB above the
-# weights), but the step takes {glue:text}`stack_offload_time_ratio:.1f` times as long: the
-# {glue:text}`stack_moved_gb:.1f` GB of activations (at least: `save_on_cpu` copies a tensor each time an
-# operation saves it, shared or not) cross the bus twice, which the extra time puts at
-# {glue:text}`stack_offload_gbps:.0f` GB/s or more. Here the blocks compute little per byte they save, so the transfers
-# dominate; offloading pays off where compute per activation byte is high (wide layers) or the copies can be
-# overlapped with computation on a separate stream, which `save_on_cpu` does not do. Newer transformers releases
-# (5.23, for one) combine the two ideas: `activation_checkpointing_enable(offload=True)` checkpoints each layer and
-# keeps only its input, in pinned host memory.
+# Transformers can combine the two ideas: in releases that accept `activation_checkpointing_enable(offload=True)`,
+# each layer is checkpointed and its input, the only tensor it keeps, goes to pinned host memory. The cell below
+# asks the installed version and, where it can, measures it on bert-large against plain checkpointing.
 
 # %%
-freed = cleanup.free(globals(), "stack", "stack_x")
+import inspect
+
+offload_api = RENAMED and "offload" in inspect.signature(
+    transformers.PreTrainedModel.activation_checkpointing_enable).parameters
+offload_rows, offload_timed = {}, {}
+if offload_api and prof.on_gpu:
+    name = "bert-large-uncased"
+    model, optimizer = build(name)
+    batch = make_batch(name, 8)
+    for label, kwargs in (("checkpointing", {}), ("checkpointing + offload", {"offload": True})):
+        model.activation_checkpointing_enable({"use_reentrant": False}, **kwargs)
+        train_step(model, optimizer, batch)  # warm-up (AdamW's states on first use)
+        measure.reset_peak(prof.device)
+        offload_timed[label] = timing.time_it(lambda m=model, o=optimizer, b=batch: train_step(m, o, b),
+                                              device=prof.device, warmup=0, repeat=10, profile_steps=1)
+        offload_rows[label] = {"step time (s)": offload_timed[label].median_s,
+                               "IQR (ms)": offload_timed[label].wall.iqr * 1e3,
+                               "peak allocated (GiB)": torch.cuda.max_memory_allocated() / GIB}
+        model.activation_checkpointing_disable()
+    freed = cleanup.free(globals(), "model", "optimizer", "batch")
+pd.DataFrame(offload_rows).T if offload_rows else None
+
+# %% tags=["remove-input"]
+if not offload_api:
+    display(Markdown(f"The installed transformers {transformers.__version__} has no "
+                     f"`activation_checkpointing_enable(offload=...)`: skipped."))
+elif not prof.on_gpu:
+    print("skipped on CPU: offloading moves activations off a GPU")
+else:
+    a, b = offload_rows["checkpointing"], offload_rows["checkpointing + offload"]
+    cmp_off = timing.compare(offload_timed, "checkpointing")["checkpointing + offload"]
+    display(Markdown(
+        f"With transformers {transformers.__version__}, bert-large at batch 8: offloading the checkpoints moved the peak "
+        f"from {a['peak allocated (GiB)']:.2f} to {b['peak allocated (GiB)']:.2f} GiB and the step from "
+        f"{a['step time (s)'] * 1e3:.0f} to {b['step time (s)'] * 1e3:.0f} ms ({cmp_off['difference']}). "
+        + ("With checkpointing, the layers' inputs are all that is left to offload, a small share of this step's peak; "
+           "the option pays at long sequences, where those inputs grow with the sequence."
+           if b["peak allocated (GiB)"] > 0.9 * a["peak allocated (GiB)"] else
+           f"Offloading the layers' inputs saved {a['peak allocated (GiB)'] - b['peak allocated (GiB)']:.2f} GiB of the "
+           f"peak here.")))
+
+# %%
+freed = cleanup.free(globals(), "stack", "stack_x", "stack_pass")
 if prof.on_gpu:
-    print(f"allocated at the end: {torch.cuda.memory_allocated() / MIB:,.0f} MiB")
+    print(f"allocated after the last experiment: {torch.cuda.memory_allocated() / MIB:,.1f} MiB")
 
 # %% [markdown]
 # ## Summary
@@ -874,14 +1162,31 @@ closing
 # %% [markdown]
 # - Storing every activation costs memory linear in depth; recomputing everything costs compute quadratic in depth;
 #   a checkpoint every $\sqrt{N}$ layers needs $2\sqrt{N}$ stored outputs for one extra forward pass, measured
-#   exactly on a chain of {glue:text}`chain_n` layers.
+#   exactly on section 4.1's chain.
 # - `torch.utils.checkpoint` (non-reentrant) keeps a block's input and gives the same gradients as plain autograd,
 #   dropout included, because it restores the random generator's state for the recomputation.
-# - `gradient_checkpointing_enable()` cut bert-large's peak by up to {glue:text}`bert_saved_pct_max:.0f`% and the
-#   1.3B model's by up to {glue:text}`llm_saved_pct_max:.0f`%. It cost bert-large one extra forward pass
-#   ({glue:text}`bert_overhead_pct_mean:.0f`% slower, as predicted) and the 1.3B model from
-#   {glue:text}`llm_overhead_pct_b32:.0f`% at batch 32 to {glue:text}`llm_overhead_pct_b4:.0f`% at batch 4, where
-#   the GPU is idle and launches dominate. The LLM book's batch 16 fits the T4 with it.
+
+# %% tags=["remove-input"]
+if prof.on_gpu:
+    parts = []
+    for name, short in (("bert-large-uncased", "bert-large"), ("polyglot-ko-1.3b", "the 1.3B model")):
+        part = summary.loc[name].dropna(subset=["time overhead (%)"])
+        verdicts = part["measured vs predicted"]
+        how = ("about one extra forward pass of its layers at every batch size" if (verdicts == "agrees").all() else
+               "; ".join(f"{r['time overhead (%)']:+.0f}% at batch {b} ({r['measured vs predicted']} than one forward "
+                         f"pass of its layers, {r['predicted: layer forward / step (%)']:.0f}%)".replace(
+                             "(agrees than", "(as predicted by").replace("(costs more than", "(more than").replace(
+                             "(costs less than", "(less than") for b, r in part.iterrows()))
+        parts.append(f"{short}'s peak by up to {part['memory saved (%)'].max():.0f}%, and cost {how}")
+    r1 = book_rows["bs 16 + checkpointing"]
+    display(Markdown(
+        f"- `gradient_checkpointing_enable()` cut {parts[0]}. It cut {parts[1]}. "
+        + ("The LLM book's batch 16 fits the T4's budget with it." if "result" not in r1 else
+           "The LLM book's batch 16 did not fit the emulated T4 even with it here.")))
+else:
+    print("skipped on CPU: the memory and time of section 4.3 are measured on a GPU")
+
+# %% [markdown]
 # - Checkpointing part of a block, or offloading activations to the CPU, are finer trades: measure them on your
 #   model, because which one wins depends on how much each part stores and computes, and on the bus.
 #
@@ -919,7 +1224,7 @@ closing
 #
 #    </details>
 #
-# 2. In section 4.3, give the 1.3B model `attn_implementation="sdpa"`. Its activations shrink (no $s \times s$
+# 2. In section 4.3, give the 1.3B model `attn_implementation="sdpa"`. Its activations shrink (with a fused SDPA kernel, no $s \times s$
 #    matrix); does checkpointing still save as large a share of the peak?
 #
 #    <details><summary>Hint</summary>
@@ -966,8 +1271,32 @@ closing
 #
 # ## References
 #
-# - {cite:t}`chen2016training`: checkpointing every $\sqrt{N}$ layers, sublinear memory for one extra forward pass.
-# - {cite:t}`korthikanti2022reducing`: activation memory per layer and selective recomputation.
-# - {cite:t}`dao2022flashattention`: attention that recomputes its score matrix in the backward pass.
-# - {cite:t}`hf_perf_train_gpu_one`: gradient checkpointing with the Trainer, the V100 rows of section 4.3.
-# - {cite:t}`heo2024llm`, chapter 5: the polyglot-ko-1.3b experiment, batch 16 with checkpointing on a T4.
+# - [Chen et al. (2016)](../book/references.md): checkpointing every $\sqrt{N}$ layers, sublinear memory for one extra forward pass.
+# - [Korthikanti et al. (2022)](../book/references.md): activation memory per layer and selective recomputation.
+# - [Dao et al. (2022)](../book/references.md): attention that recomputes its score matrix in the backward pass.
+# - [Hugging Face (2024)](../book/references.md), *Methods and tools for efficient training on a single GPU*: gradient checkpointing
+#   with the Trainer, the V100 rows of section 4.3.
+# - [Heo (2024)](../book/references.md), chapter 5: the polyglot-ko-1.3b experiment, batch 16 with checkpointing on a T4.
+#
+# All the works the book cites are on the [references page](../book/references.md).
+
+# %% [markdown]
+# ## Memory back at the baseline
+#
+# Every experiment freed what it made. cuBLAS keeps a *workspace* for each (handle, stream) pair on which it ran a
+# matrix product (the autograd engine's thread has its own handle), until it is told to let go; we release them,
+# then check that the chapter ends where it began, after the setup's warm-up:
+
+# %%
+cleanup.collect()
+if prof.on_gpu:
+    held_mib = torch.cuda.memory_allocated() / MIB
+    torch._C._cuda_clearCublasWorkspaces()  # PyTorch's own (private) call for this
+    cleanup.collect()
+    end_mib = torch.cuda.memory_allocated() / MIB
+    display(pd.Series({"allocated before clearing the cuBLAS workspaces (MiB)": held_mib,
+                       "allocated at the end (MiB)": end_mib,
+                       "allocated at the start (MiB)": chapter_baseline_mib}).to_frame("value"))
+    assert end_mib <= chapter_baseline_mib + 0.01, f"{end_mib - chapter_baseline_mib:.2f} MiB still allocated: a leak"
+else:
+    print("skipped on CPU: no GPU memory to check")
