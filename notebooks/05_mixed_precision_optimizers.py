@@ -175,34 +175,36 @@ class SavedByDtype:
         self.hooks.__exit__(*exc)
 
 
-def linear_grad_dtypes(model, batch, half):
-    """The dtypes in which the gradients of the nn.Linear weights are computed, read off the autograd graph.
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-    Under autocast a weight enters its matrix product through a cast: a ToCopyBackward0 node just above the
-    weight's AccumulateGrad. A hook on that node sees the gradient before it is cast to the weight's dtype.
-    Without a cast, the gradient is computed in the weight's own dtype.
+
+def linear_grad_dtypes(model, batch, half):
+    """The dtypes in which the gradients of the nn.Linear weights are computed, seen by the dispatcher.
+
+    A TorchDispatchMode sees every operation the backward pass runs (on the GPU too: autograd carries the
+    mode to its own thread; FlopCounterMode works the same way). We record the dtype of each matrix product
+    whose result has the shape of a Linear weight: the weight gradients. Under autocast they come out in 16
+    bits and are cast to fp32 only when stored in `.grad`.
     """
-    weights = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
-    computed, handles = set(), []
+    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    gemms = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+    class WeightGradDtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in gemms and isinstance(out, torch.Tensor) and tuple(out.shape) in shapes:
+                self.seen.add(out.dtype)
+            return out
+
     with torch.autocast(dev, dtype=half, enabled=half is not None):
         loss = model(**batch).loss
-    stack, seen = [loss.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        for parent, _ in node.next_functions:
-            if parent is not None and id(getattr(parent, "variable", None)) in weights:
-                if node.name() == "ToCopyBackward0":
-                    handles.append(node.register_hook(lambda grad_in, grad_out: computed.add(grad_out[0].dtype)))
-                else:
-                    computed.add(parent.variable.dtype)
-            stack.append(parent)
-    loss.backward()  # leaves the gradients in .grad: the state count below includes them
-    for handle in handles:
-        handle.remove()
-    return {str(d).removeprefix("torch.") for d in computed}
+    with WeightGradDtypes() as mode:
+        loss.backward()  # leaves the gradients in .grad: the state count below includes them
+    return {str(d).removeprefix("torch.") for d in mode.seen}
 
 
 def train_recipe(recipe, steps=kw_steps, lr=kw_lr):
@@ -271,8 +273,8 @@ print(f"{len(runs)} recipes x {kw_steps} steps, batch {kw_batch} x {kw_seq} toke
 # %% [markdown]
 # Every recipe passed the checks inside the function. Two of them hold by construction (a gradient has its
 # weight's dtype, and autocast leaves the weights in fp32), so they are labelled as such; the one that could fail
-# reads the autograd graph: under fp16 and bf16 autocast, the gradient of every linear layer's weight is computed
-# by a 16-bit matrix product and only cast to fp32 on its way into `.grad`. The table gives the median step time of
+# watches the backward pass's matrix products (a `TorchDispatchMode` sees each operation and its dtype): under fp16
+# and bf16 autocast, the gradient of every linear layer's weight is computed by a 16-bit matrix product and only cast to fp32 on its way into `.grad`. The table gives the median step time of
 # ten timed steps at the training size, the peak allocated memory over the training run (GPU only), the bytes saved
 # for backward by one forward pass of a training batch, and the mean loss of the last ten steps.
 
@@ -519,7 +521,7 @@ freed = cleanup.free(globals(), "probe", "probe_out", "hooks")
 #
 # Chapter 2 counted the fp32 gradients of bert-large that fp16 *would* flush to zero. Under autocast the question is
 # different: the weights are fp32, but their gradients are computed by fp16 matrix products from the fp16 gradients
-# of the activations (section 5.1 read that off the autograd graph), and only then stored as fp32. An fp16 result
+# of the activations (section 5.1 saw those products run in 16 bits), and only then stored as fp32. An fp16 result
 # is rounded to the nearest fp16 value, and the smallest one above zero is the subnormal $2^{-24}$: a value below
 # half of it, $2^{-25}$, rounds to zero (at exactly $2^{-25}$ the tie goes to the even neighbour, zero). So the
 # share of gradients an fp16 backward loses should be close to the share of true gradients below $2^{-25}$, not
