@@ -32,6 +32,9 @@ Time and memory over time (chapter 8)
 - ``timing``      timing GPU work honestly: wall, CUDA-event and host clocks, spread, GPU-busy, a verdict
 - ``memsnap``     the allocator's history: memory over time by origin, its peak, the survivors of a step
 
+Planning (chapter 10)
+- ``plan``        predict a training step's peak memory by term and phase, suggest changes, measure, CLI
+
 Showing results
 - ``plots``       one figure style, stacked memory bars, line series
 - ``glue``        glue numbers into the book's prose

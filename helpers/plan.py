@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import math
 import sys
 import warnings
@@ -118,7 +117,7 @@ class Setup:
     ``lora_targets``; ``qlora=True`` stores the frozen base in NF4 (needs ``lora_rank``).
     ``zero_stage`` 0-3 and ``world_size``: ZeRO's per-rank share of the model states (formula).
 
-    Introduced in chapter 10, section 10.1.
+    Not used in a chapter yet: chapter 10's planner (its section 10.1).
     """
 
     model: Any = "gpt-neox-1.3b"
@@ -167,7 +166,7 @@ def _model_label(model: Any) -> str:
 def validate(s: Setup) -> list[str]:
     """Check a setup; raise ``ValueError`` for an impossible one, return warnings for odd ones.
 
-    Introduced in chapter 10, section 10.1.
+    Not used in a chapter yet: chapter 10's planner (its section 10.1).
     """
     notes: list[str] = []
     for name in ("batch", "seq", "grad_accum", "world_size"):
@@ -235,7 +234,7 @@ _FP32_INPUT_UNDER_AUTOCAST = {"bert": (0,), "gpt_neox": (0, 2), "llama": (0, 2)}
 class Param:
     """One parameter tensor: name, shape, and where it sits (layer linear, embedding, head, other).
 
-    Introduced in chapter 10, section 10.1.
+    Not used in a chapter yet: chapter 10's planner (its section 10.1).
     """
 
     name: str
@@ -252,7 +251,7 @@ class Param:
 class Shape:
     """The sizes the planner needs, read from a model built on the meta device.
 
-    Introduced in chapter 10, section 10.1.
+    Not used in a chapter yet: chapter 10's planner (its section 10.1).
     """
 
     family: str
@@ -305,7 +304,7 @@ def _default_head(family: str) -> str:
 
 @functools.lru_cache(maxsize=64)
 def _shape_cached(key: str, head: str | None, cfg_json: str) -> Shape:
-    cfg = PretrainedConfig.from_dict(json.loads(cfg_json)) if False else _CFG_STORE[key]
+    cfg = _CFG_STORE[key]
     family = _FAMILY.get(cfg.model_type)
     if family is None:
         raise ValueError(f"model type {cfg.model_type!r} is not supported; the planner knows BERT, GPT-NeoX and Llama")
@@ -328,8 +327,6 @@ def _shape_cached(key: str, head: str | None, cfg_json: str) -> Shape:
             if p.dim() == 2:
                 kind = "linear"
                 short = rest.rsplit(".", 1)[0]
-                for pre in ("attention.self.", "attention.", "mlp.", "self_attn.", "intermediate.", ""):
-                    pass
                 names.add(short.split(".")[-1])
                 names.add(short)
         elif "embed" in name and "embed_out" not in name:
@@ -362,7 +359,7 @@ def _shape(s: Setup) -> Shape:
 def shape(s: Setup) -> Shape:
     """The sizes of ``s.model`` (layers, widths, every parameter's shape), from a meta-device build.
 
-    Introduced in chapter 10, section 10.1.
+    Not used in a chapter yet: chapter 10's planner (its section 10.1).
     """
     return _shape(s)
 
@@ -402,7 +399,7 @@ def _act_coef(family: str, pclass: str, attention: str, backend: str) -> tuple[f
         return tuple(c)
     if family == "bert":  # CUDA dropout masks are bool (1 byte), CPU's are the input's dtype
         m = _CPU_MASK_BYTES[pclass]
-        c = [ci - k * (m - 1) if ci else 0 for ci, k in zip(c, _BERT_MASKS)]
+        c = [ci - k * (m - 1) if ci else 0 for ci, k in zip(c, _BERT_MASKS, strict=True)]
         if pclass == "amp" and attention == "eager":
             # CUDA autocast runs softmax in fp32: fp32 probabilities (4) + mask (1) + bf16 copy for A.V (2)
             c[2] = 7
@@ -462,14 +459,14 @@ def layer_activation_bytes(s: Setup, *, backend: str = "cuda") -> int:
     ``backend="cpu"`` gives what ``SavedTensorMeter`` counts on a CPU (exact, see the tests);
     ``"cuda"`` applies the two CUDA corrections described in ``ACT_COEF_CPU``.
 
-    Introduced in chapter 10, section 10.1.
+    Not used in a chapter yet: chapter 10's planner (its section 10.1).
     """
     shape = _shape(s)
     pc = _pclass(s)
-    b, q, h, I, a = s.batch, s.seq, shape.hidden, shape.intermediate, shape.heads
-    feats = (q * b * h, q * b * I, a * q * q * b, a * q * b, q * b)
+    b, q, h, wide, a = s.batch, s.seq, shape.hidden, shape.intermediate, shape.heads
+    feats = (q * b * h, q * b * wide, a * q * q * b, a * q * b, q * b)
     c = _act_coef(shape.family, pc, s.attention, backend)
-    total = sum(ci * f for ci, f in zip(c, feats))
+    total = sum(ci * f for ci, f in zip(c, feats, strict=True))
     if s.lora_rank:
         total += _lora_activation_delta(s, shape, pc, backend) * q * b
     return int(total)
@@ -518,7 +515,7 @@ def _lora_activation_delta(s: Setup, shape: Shape, pc: str, backend: str) -> flo
 def other_activation_bytes(s: Setup, *, backend: str = "cuda") -> int:
     """Bytes saved outside the blocks: embeddings, final norm, head, and the loss's fp32 log-softmax.
 
-    Introduced in chapter 10, section 10.1.
+    Not used in a chapter yet: chapter 10's planner (its section 10.1).
     """
     shape = _shape(s)
     pc = _pclass(s)
@@ -556,10 +553,10 @@ def _trainable(s: Setup, shape: Shape) -> list[tuple[int, tuple[int, ...], int]]
                 out.append((o * s.lora_rank, (o, s.lora_rank), 4))
         return out
     eb = _weight_dtype_bytes(s)
-    return [(p.numel, p.shape, eb) for p in s_params(shape)]
+    return [(p.numel, p.shape, eb) for p in _params(shape)]
 
 
-def s_params(shape: Shape) -> tuple[Param, ...]:
+def _params(shape: Shape) -> tuple[Param, ...]:
     return shape.params
 
 
@@ -575,7 +572,7 @@ def lora_trainable_params(s: Setup) -> int:
 def weight_bytes(s: Setup) -> int:
     """Bytes of all weights on the device (frozen base, adapters, NF4 statistics), before ZeRO.
 
-    Introduced in chapter 10, section 10.1.
+    Not used in a chapter yet: chapter 10's planner (its section 10.1).
     """
     shape = _shape(s)
     if s.qlora:
@@ -595,7 +592,7 @@ def weight_bytes(s: Setup) -> int:
 def gradient_bytes(s: Setup) -> int:
     """Bytes of the gradients of the trainable parameters (their dtype), before ZeRO.
 
-    Introduced in chapter 10, section 10.1.
+    Not used in a chapter yet: chapter 10's planner (its section 10.1).
     """
     return sum(n * e for n, _, e in _trainable(s, _shape(s)))
 
@@ -608,7 +605,7 @@ def optimizer_state_bytes(s: Setup) -> int:
     8-bit AdamW (bitsandbytes): 2 bytes + two fp32 absmaxes per 256 values, 32-bit states for tensors
     under 4096 values. Chapter 5, section 5.4 measured 8.00, 4.00, 0.01 and 2.04 bytes per parameter.
 
-    Introduced in chapter 10, section 10.1.
+    Not used in a chapter yet: chapter 10's planner (its section 10.1).
     """
     opt = s.optimizer
     total = 0
@@ -634,7 +631,7 @@ def _zero_share(s: Setup) -> tuple[float, float, float]:
 def autocast_copy_bytes(s: Setup) -> int:
     """Bytes of the 16-bit copies autocast makes of fp32 matmul weights (0 without fp32 weights + autocast).
 
-    Introduced in chapter 10, section 10.1 (measured in chapter 1, section 1.3 and chapter 5, section 5.1).
+    Not used in a chapter yet: chapter 10's planner (its section 10.1) (measured in chapter 1, section 1.3 and chapter 5, section 5.1).
     """
     if _pclass(s) != "amp":
         return 0
@@ -663,7 +660,7 @@ class Plan:
     ``components`` are what is alive at the peak moment (they sum to ``peak_bytes``); ``totals`` are
     the full sizes of each term (all activations, all gradients); ``phases`` the peak of each phase.
 
-    Introduced in chapter 10, section 10.1.
+    Not used in a chapter yet: chapter 10's planner (its section 10.1).
     """
 
     setup: Setup
@@ -731,7 +728,7 @@ def predict(s: Setup, *, backend: str = "cuda") -> Plan:
     and the step's temporaries. Under gradient accumulation the gradients are alive from the second
     micro-batch on.
 
-    Introduced in chapter 10, section 10.1.
+    Not used in a chapter yet: chapter 10's planner (its section 10.1).
     """
     notes = validate(s)
     shape = _shape(s)
@@ -742,7 +739,7 @@ def predict(s: Setup, *, backend: str = "cuda") -> Plan:
     G_full = gradient_bytes(s)
     G = int(G_full * fg)
     O_full = optimizer_state_bytes(s)
-    O = int(O_full * fo)
+    Ost = int(O_full * fo)
     if s.optimizer == "paged-adamw8bit":
         notes.append("paged 8-bit AdamW keeps its states in CUDA unified memory, outside torch's allocator")
     C_all = autocast_copy_bytes(s)
@@ -782,13 +779,13 @@ def predict(s: Setup, *, backend: str = "cuda") -> Plan:
     any_ck = any(ck)
     fwd_acts = sum(stored) + A_other + (A_layer if any_ck else 0)
     fwd_copies = C_all  # cached for the whole forward, also under checkpointing
-    forward = {"weights": W + gathered, "gradients": G_acc, "optimizer_states": O, "activations": fwd_acts,
+    forward = {"weights": W + gathered, "gradients": G_acc, "optimizer_states": Ost, "activations": fwd_acts,
                "autocast_copies": fwd_copies, "temporaries": loss_fwd}
 
     # backward: start (loss gradients) then block by block from the top
     best: dict[str, int] = {}
     saved_copies_total = sum(stored_copies) + C_head
-    start = {"weights": W + gathered, "gradients": max(G_acc, g_head), "optimizer_states": O,
+    start = {"weights": W + gathered, "gradients": max(G_acc, g_head), "optimizer_states": Ost,
              "activations": sum(stored) + A_other, "autocast_copies": saved_copies_total, "temporaries": loss_bwd}
     best = start
     for i in reversed(range(L)):
@@ -796,12 +793,12 @@ def predict(s: Setup, *, backend: str = "cuda") -> Plan:
         below = sum(stored[:i])
         here = A_layer
         copies = sum(stored_copies[:i]) + C_layer
-        cur = {"weights": W + gathered, "gradients": max(G_acc, done), "optimizer_states": O,
+        cur = {"weights": W + gathered, "gradients": max(G_acc, done), "optimizer_states": Ost,
                "activations": below + here + A_other - (4 * s.batch * s.seq * shape.vocab if loss_fwd else 0),
                "autocast_copies": copies, "temporaries": T_layer}
         if sum(cur.values()) > sum(best.values()):
             best = cur
-    end = {"weights": W, "gradients": G, "optimizer_states": O, "activations": 0, "autocast_copies": 0,
+    end = {"weights": W, "gradients": G, "optimizer_states": Ost, "activations": 0, "autocast_copies": 0,
            "temporaries": 0}
     if sum(end.values()) > sum(best.values()):
         best = end
@@ -810,16 +807,16 @@ def predict(s: Setup, *, backend: str = "cuda") -> Plan:
     # optimizer step
     T_opt = 0
     if s.optimizer == "adamw":
-        T_opt = O // 2  # the multi-tensor step's sqrt(v): one copy of a state (chapter 1, section 1.5)
+        T_opt = Ost // 2  # the multi-tensor step's sqrt(v): one copy of a state (chapter 1, section 1.5)
     elif s.optimizer == "adafactor":
         largest = max((n * 4 for n, _, _ in tr), default=0)
         T_opt = 2 * largest
-    step = {"weights": W, "gradients": G, "optimizer_states": O, "activations": 0, "autocast_copies": 0,
+    step = {"weights": W, "gradients": G, "optimizer_states": Ost, "activations": 0, "autocast_copies": 0,
             "temporaries": T_opt}
     phase_components = {"forward": forward, "backward": backward, "optimizer step": step}
     phases = {k: int(sum(v.values())) for k, v in phase_components.items()}
     peak = max(phases, key=lambda k: phases[k])
-    totals = {"weights": W, "gradients": G, "optimizer_states": O,
+    totals = {"weights": W, "gradients": G, "optimizer_states": Ost,
               "activations": L * A_layer + A_other if not any_ck else sum(stored) + A_other,
               "autocast_copies": C_all, "temporaries": max(T_opt, loss_bwd, T_layer)}
     return Plan(setup=s, components={k: int(v) for k, v in phase_components[peak].items()}, phases=phases,
@@ -938,7 +935,7 @@ def measure(s: Setup, device: str | torch.device = "cuda", steps: int = 2, seed:
     ``accounted_bytes`` gives the last step's weights + gradients + optimizer states + saved
     activations, counted by ``helpers.accounting`` (what the CPU tests check).
 
-    Introduced in chapter 10, section 10.2.
+    Not used in a chapter yet: chapter 10's planner (its section 10.2).
     """
     import gc
     import time
@@ -1071,7 +1068,7 @@ def suggest(s: Setup, budget_gib: float, *, max_changes: int = 2) -> list[tuple[
     the step time from the chapters' measurements; splitting the batch into micro-batches keeps the
     effective batch and costs little when the step is launch-bound.
 
-    Introduced in chapter 10, section 10.3.
+    Not used in a chapter yet: chapter 10's planner (its section 10.3).
     """
     import itertools
 
@@ -1135,7 +1132,7 @@ def baselines(s: Setup) -> dict[str, int]:
 
     None of them knows about LoRA, QLoRA, checkpointing or the optimizer's kind.
 
-    Introduced in chapter 10, section 10.2.
+    Not used in a chapter yet: chapter 10's planner (its section 10.2).
     """
     from accelerate.commands.estimate import estimate_training_usage
 
@@ -1193,3 +1190,101 @@ def _validation_setups() -> list[Setup]:
 
 
 VALIDATION_SETUPS: list[Setup] = _validation_setups()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------------
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
+    return v
+
+
+def _checkpointing(text: str) -> Any:
+    if text in ("none", "full"):
+        return text
+    return _positive_int(text)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m helpers.plan",
+                                 description="Predict the peak GPU memory of a training step and whether it fits.")
+    ap.add_argument("--model", required=True, help=f"registry name ({', '.join(ALIASES)}) or a config.json path")
+    ap.add_argument("--profile", default="full", choices=("full", "tiny"))
+    ap.add_argument("--batch", type=_positive_int, default=4)
+    ap.add_argument("--seq", type=_positive_int, default=256)
+    ap.add_argument("--precision", default="bf16-autocast", choices=PRECISIONS)
+    ap.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
+    ap.add_argument("--grad-accum", type=_positive_int, default=1)
+    ap.add_argument("--checkpointing", type=_checkpointing, default="none", help="none | full | k (every k-th block)")
+    ap.add_argument("--attention", default="sdpa", choices=ATTENTIONS)
+    ap.add_argument("--lora-rank", type=_positive_int, default=None)
+    ap.add_argument("--lora-targets", default="query_key_value", help="comma-separated module names")
+    ap.add_argument("--qlora", action="store_true")
+    ap.add_argument("--no-double-quant", action="store_true")
+    ap.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
+    ap.add_argument("--world-size", type=_positive_int, default=1)
+    group = ap.add_mutually_exclusive_group()
+    group.add_argument("--gpu", choices=sorted(GPU_MEMORY_GIB), help="compare with this GPU's memory")
+    group.add_argument("--budget-gib", type=float, help="compare with this budget (GiB of allocatable memory)")
+    ap.add_argument("--top", type=_positive_int, default=5, help="how many suggestions to print")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line: print the breakdown, the peak phase, the verdict and, if needed, suggestions.
+
+    Exits with status 2 and a message for unknown models, impossible settings and bad numbers; 1 when
+    the setup does not fit the budget; 0 when it fits (or no budget was given).
+
+    Not used in a chapter yet: chapter 10's planner (its section 10.3).
+    """
+    ap = _parser()
+    args = ap.parse_args(argv)
+    if args.budget_gib is not None and not (args.budget_gib > 0 and math.isfinite(args.budget_gib)):
+        ap.error(f"--budget-gib must be a positive number, got {args.budget_gib}")
+    s = Setup(model=args.model, batch=args.batch, seq=args.seq, precision=args.precision, optimizer=args.optimizer,
+              grad_accum=args.grad_accum, checkpointing=args.checkpointing, attention=args.attention,
+              lora_rank=args.lora_rank, lora_targets=tuple(t for t in args.lora_targets.split(",") if t),
+              qlora=args.qlora, double_quant=not args.no_double_quant, zero_stage=args.zero_stage,
+              world_size=args.world_size, profile=args.profile)
+    needs_bnb = s.qlora or s.optimizer in ("adamw8bit", "paged-adamw8bit")
+    if needs_bnb:
+        try:
+            import bitsandbytes  # noqa: F401
+        except Exception as exc:  # pragma: no cover - depends on the installation
+            ap.error(f"QLoRA and 8-bit optimizers need bitsandbytes, which cannot be imported here ({exc})")
+    try:
+        p = predict(s)
+    except ValueError as exc:
+        ap.error(str(exc))
+    with pd.option_context("display.float_format", "{:,.2f}".format, "display.width", 160):
+        print(p.table().drop(columns=["bytes"]).to_string())
+    print(p.explain())
+    budget = GPU_MEMORY_GIB[args.gpu] - CONTEXT_RESERVE_GIB if args.gpu else args.budget_gib
+    if budget is None:
+        return 0
+    where = f"{args.gpu} ({budget:.2f} GiB allocatable)" if args.gpu else f"the budget of {budget:.2f} GiB"
+    if p.fits(budget):
+        print(f"verdict: fits {where}: predicted peak {p.peak_gib:.2f} GiB")
+        return 0
+    print(f"verdict: does NOT fit {where}: predicted peak {p.peak_gib:.2f} GiB")
+    options = suggest(s, budget)
+    if not options:
+        print("no change of one or two settings makes it fit; try a smaller batch or sequence, or more GPUs")
+        return 1
+    print("cheapest changes that fit (relative step time, predicted peak):")
+    for desc, _, plan_, cost in options[: args.top]:
+        print(f"  x{cost:.2f}  {plan_.peak_gib:6.2f} GiB  {desc}")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
