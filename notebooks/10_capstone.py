@@ -20,7 +20,7 @@
 # this GPU*, and *how fast can it go*? The popular tools answer the first one badly. The "four times the
 # model size" rule and `accelerate estimate-memory` leave the activations out, DeepSpeed's estimator counts
 # only the model states, and the well-known transformer-math calculators add an unexplained overhead. None
-# of them publishes its error against measurements. This chapter puts the book's nine chapters into one
+# of them, as far as we know, publishes its error against measurements. This chapter puts the book's nine chapters into one
 # tool, a **memory planner** that predicts the peak of a training step term by term, and then does what
 # the others do not: it measures every prediction on the GPU and publishes the error. The second half
 # climbs a **speed ladder**, one measured rung at a time, from the Hugging Face guide's plain setup to
@@ -117,8 +117,8 @@ T4_BUDGET_GIB = t4.budget_gib if t4 else plan.GPU_MEMORY_GIB["T4"] - plan.CONTEX
 # term is one the book measured: weights, gradients and optimizer states at their bytes per parameter
 # (chapters 1, 2 and 5), the activations the backward pass keeps (chapter 1's formula, minus what
 # checkpointing recomputes, chapter 4), autocast's 16-bit copies of the weights (chapter 5), the
-# temporaries of the attention, the loss and the optimizer step (chapters 1 and 8), adapters and 4-bit
-# weights (chapter 6) and the ZeRO shards (chapter 7). It also says in which phase the peak falls: the
+# temporaries of the loss, the optimizer step and checkpointing's recomputation (chapters 1 and 4), adapters
+# and 4-bit weights (chapter 6) and the ZeRO shards (chapter 7). It also says in which phase the peak falls: the
 # forward pass, the backward pass or the optimizer step. Here it is for the 1.3B model, batch 4, 256
 # tokens, bf16 autocast and AdamW:
 
@@ -148,19 +148,20 @@ exit_code = plan.main(["--model", "gpt-neox-1.3b", "--batch", "4", "--seq", "256
 # fp32, bf16 and fp16; AdamW, fused AdamW, SGD, Adafactor and 8-bit AdamW; accumulation; checkpointing;
 # eager and SDPA attention; LoRA and QLoRA) the notebook runs a few real training steps and reads the
 # allocator's peak (`plan.measure`, which frees everything before it returns), and sets the planner's
-# prediction beside it. Four other estimators predict the same rows:
+# prediction beside it. (ZeRO is planned with chapter 7's formula and not measured here: it needs several
+# processes.) Four other estimators predict the same rows:
 #
 # - **4 × model size**: the Hugging Face model-memory calculator's rule of thumb for training with Adam
-#   (Hugging Face Accelerate team (2023)): four times the weights' bytes in the training dtype;
+#   ([Hugging Face Accelerate team (2023)](../book/references.md)): four times the weights' bytes in the training dtype;
 # - **accelerate estimate-memory**: the same tool's command line, which counts weights, and for training
 #   gradients and Adam's states, and nothing else;
 # - **ZeRO model states**: the ZeRO paper's 16 bytes per parameter for mixed-precision Adam (2 + 2 + 12),
-#   divided by the world size per stage (Rajbhandari et al. (2020));
-# - **transformer math**: model states plus the activation formula of Korthikanti et al. (2022), as in
-#   EleutherAI's *Transformer Math 101* (Anthony et al. (2023)).
+#   divided by the world size per stage ([Rajbhandari et al. (2020)](../book/references.md));
+# - **transformer math**: model states plus the activation formula of [Korthikanti et al. (2022)](../book/references.md), as in
+#   EleutherAI's *Transformer Math 101* ([Anthony et al. (2023)](../book/references.md)).
 #
 # The error of a row is (predicted − measured) / measured: negative means the estimator promises memory the
-# run does not have. The citations are on the [references page](../book/references.md).
+# run does not have.
 
 # %%
 validation_setups = plan.VALIDATION_SETUPS
@@ -307,7 +308,7 @@ TERM_OF = {
     ("optimizer", "adamw8bit"): "the 8-bit optimizer states", ("optimizer", "paged-adamw8bit"): "the paged 8-bit states",
     ("optimizer", "adafactor"): "Adafactor's factored states and buffers", ("optimizer", "adamw"): "AdamW's multi-tensor temporaries",
     ("precision", "fp32"): "the fp32 activations", ("precision", "bf16-autocast"): "autocast's 16-bit weight copies",
-    ("precision", "fp16-autocast"): "autocast's 16-bit weight copies", ("accumulation", "yes"): "accumulation",
+    ("precision", "fp16-autocast"): "autocast's 16-bit weight copies", ("accumulation", "yes"): "the gradients kept across micro-batches",
 }
 if measured_ok.sum() >= 3:
     groups = by_feature[by_feature["rows"] >= 2].copy()
@@ -345,10 +346,11 @@ term_table if len(worst_rows) else print("skipped on CPU: no measured rows")
 # ## 10.3 The speed ladder
 #
 # Now the second question: how fast? We start from the setup of the Hugging Face guide *Model training
-# anatomy* (Hugging Face (2024)), which is also what `Trainer` does with no options: fp32 weights and
-# arithmetic, eager attention, batch 4, and `torch.optim.AdamW` stepping one parameter at a time (the
-# guide's `adamw_torch`; here `foreach=False`). Then we add the book's techniques **one at a time, keeping
-# each**, on the same model in the same run:
+# anatomy* ([Hugging Face (2024)](../book/references.md)), written when `Trainer`'s defaults were these: fp32
+# weights and arithmetic, eager attention, batch 4, and `torch.optim.AdamW` stepping one parameter at a time
+# (here `foreach=False`, the slowest of PyTorch's three AdamW implementations). Recent `Trainer` versions
+# default to SDPA and, with torch 2.8 or newer, to fused AdamW: two rungs of this ladder. We add the book's
+# techniques **one at a time, keeping each**, on the same model in the same run:
 #
 # 1. SDPA attention (chapter 1): one fused attention kernel, no stored s × s matrix;
 # 2. 16-bit autocast (chapter 5): matrix products on the tensor cores;
@@ -363,7 +365,7 @@ term_table if len(worst_rows) else print("skipped on CPU: no measured rows")
 #
 # **MFU, the one convention of the book.** Model FLOPs per token are 6 × (the parameters of every matrix
 # product, the output projection included, embedding lookups excluded) + 12 · L · h · s for attention
-# (`flops.flops_per_token`; Chowdhery et al. (2022), appendix B), with no credit for recomputation.
+# (`flops.flops_per_token`; [Chowdhery et al. (2022)](../book/references.md), appendix B), with no credit for recomputation.
 # MFU is the achieved model FLOP/s over the GPU's datasheet dense bf16 peak (989 TFLOP/s on an H100 SXM,
 # `flops.PEAK_TFLOPS`); we also give it against the **measured matmul ceiling**, the rate of one large bf16
 # matrix product on this GPU, which is what the tensor cores really deliver. Peak memory is the allocator's
@@ -528,6 +530,7 @@ def climb(name, compile_min_s):
     notes["knee"] = {bs: (f"{bs / a.value[0].wall.median:,.1f} samples/s" if a.fits else f"out of memory ({a.error})")
                      for bs, a in knee.items()}
     notes["padding"] = padding_check(model)
+    notes["matmul_params"] = flops.matmul_params(model)
     rows["5 padding to multiples of 8"] = {"batch": rung["batch"], "note": (
         "not needed: " + ", ".join(f"{k} {v}" for k, v in {
             "hidden": model.config.hidden_size, "vocabulary": model.config.vocab_size}.items()) + " are multiples of 8"
@@ -593,14 +596,14 @@ llm_table
 
 # %%
 def best_label(timed, table):
-    """The fastest rung that was kept (a compile rung marked 'not kept' is not)."""
-    kept = {k: t for k, t in timed.items() if "not kept" not in k}
-    return max(kept, key=lambda k: table.loc[k, "tokens/s"])
+    """The fastest rung that was kept (a compile rung marked 'not kept' is not); None if no rung ran."""
+    kept = [k for k in timed if "not kept" not in k]
+    return max(kept, key=lambda k: table.loc[k, "tokens/s"]) if kept else None
 
 
 best_bert, best_llm = best_label(bert_timed, bert_table), best_label(llm_timed, llm_table)
-ladder_mfu_bert = float(bert_table.loc[best_bert, "MFU vs datasheet (%)"])
-ladder_mfu_1p3b = float(llm_table.loc[best_llm, "MFU vs datasheet (%)"])
+ladder_mfu_bert = float(bert_table.loc[best_bert, "MFU vs datasheet (%)"]) if best_bert else float("nan")
+ladder_mfu_1p3b = float(llm_table.loc[best_llm, "MFU vs datasheet (%)"]) if best_llm else float("nan")
 glue("ladder_mfu_bert", ladder_mfu_bert)
 glue("ladder_mfu_1p3b", ladder_mfu_1p3b)
 fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
@@ -625,6 +628,14 @@ fig.suptitle(f"each rung kept: MFU from {bert_table[metric].astype(float).min():
 fig.tight_layout()
 
 # %% tags=["remove-input"]
+def per_sample_verdict(t_prev, b_prev, t_cur, b_cur):
+    """Throughput ratio of two rungs, and whether the change is larger than the noise: ``timing.compare``'s
+    rule (medians further apart than the larger IQR) applied to the time per sample, as the batch may differ."""
+    m0, m1 = t_prev.wall.median / b_prev, t_cur.wall.median / b_cur
+    noise = max(t_prev.wall.iqr / b_prev, t_cur.wall.iqr / b_cur)
+    return m0 / m1, ("within the noise" if abs(m0 - m1) <= noise else ("faster" if m1 < m0 else "slower"))
+
+
 def ladder_sentences(name, table, timed, notes, best, goal):
     vanilla = table.iloc[0]
     b = table.loc[best]
@@ -632,8 +643,8 @@ def ladder_sentences(name, table, timed, notes, best, goal):
     labels = list(timed)
     steps = []
     for prev, cur in zip(labels, labels[1:]):
-        c = timing.compare({"prev": timed[prev], "cur": timed[cur]}, "prev")["cur"]
-        steps.append(f"*{cur.split(' ', 1)[1]}* {c['speed-up']:.2f}x ({c['difference']})")
+        ratio, diff = per_sample_verdict(timed[prev], table.loc[prev, "batch"], timed[cur], table.loc[cur, "batch"])
+        steps.append(f"*{cur.split(' ', 1)[1]}* {ratio:.2f}x ({diff})")
     mfu = b["MFU vs datasheet (%)"]
     reach = (f"reaching the goal of {goal}%" if mfu >= goal else f"short of the goal of {goal}%")
     text = (f"**{name}.** From {vanilla['tokens/s']:,.0f} to {b['tokens/s']:,.0f} tokens/s, {speedup:.1f} times the "
@@ -652,8 +663,10 @@ def ladder_sentences(name, table, timed, notes, best, goal):
 
 
 if prof.on_gpu:
-    display(Markdown(ladder_sentences("bert-large", bert_table, bert_timed, bert_notes, best_bert, 35) + "\n\n"
-                     + ladder_sentences("The 1.3B GPT-NeoX", llm_table, llm_timed, llm_notes, best_llm, 45)))
+    display(Markdown("\n\n".join(
+        ladder_sentences(*args) if args[4] else f"**{args[0]}**: no rung fit this GPU."
+        for args in (("bert-large", bert_table, bert_timed, bert_notes, best_bert, 35),
+                     ("The 1.3B GPT-NeoX", llm_table, llm_timed, llm_notes, best_llm, 45)))))
 else:
     print("skipped on CPU: MFU and GPU-busy need a GPU (the tiny models' CPU times say nothing about a GPU)")
 
@@ -672,23 +685,26 @@ def where_time_goes(t):
     return pd.concat([share, pd.Series({"GPU idle": 1 - t.gpu_busy})]) * 100 if t.gpu_busy is not None else share * 100
 
 
-rest = pd.DataFrame({"bert-large": where_time_goes(bert_timed[best_bert]),
-                     "1.3B GPT-NeoX": where_time_goes(llm_timed[best_llm])})
+rest = pd.DataFrame({col: where_time_goes(timed[best]) for col, timed, best in (
+    ("bert-large", bert_timed, best_bert), ("1.3B GPT-NeoX", llm_timed, best_llm)) if best})
 rest.rename_axis("% of the step's wall time" if prof.on_gpu else "% of the CPU operators' self time")
 
 # %% tags=["remove-input"]
 if prof.on_gpu and len(rest):
     parts = []
-    for col, best, table in (("bert-large", best_bert, bert_table), ("1.3B GPT-NeoX", best_llm, llm_table)):
-        r = rest[col].drop("GPU idle", errors="ignore").sort_values(ascending=False)
-        gemm = rest.loc["GEMM", col] if "GEMM" in rest.index else 0.0
-        mfu = table.loc[best, "MFU vs datasheet (%)"]
-        gemm_rate = mfu / gemm * 100 if gemm > 0 else float("nan")
+    for col, best, table, timed, notes in (("bert-large", best_bert, bert_table, bert_timed, bert_notes),
+                                            ("1.3B GPT-NeoX", best_llm, llm_table, llm_timed, llm_notes)):
+        if not best:
+            continue
+        r = rest[col].drop(["GPU idle", "GEMM"], errors="ignore").sort_values(ascending=False)
+        gemm_ms = timed[best].profile.categories().loc["GEMM", "GPU time (ms/step)"]
+        tokens = table.loc[best, "batch"] * LADDER["bert-large-uncased" if col == "bert-large" else "polyglot-ko-1.3b"]["seq_len"]
+        gemm_tflops = 6 * notes["matmul_params"] * tokens / (gemm_ms / 1e3) / 1e12 if gemm_ms > 0 else float("nan")
         parts.append(
-            f"- **{col}**: matrix products take {gemm:.0f}% of the step; at {mfu:.1f}% MFU they would run at "
-            f"about {gemm_rate:.0f}% of the datasheet peak while they run (if the model FLOPs were all theirs; the "
-            f"attention term runs in the attention kernels, so this is an upper bound). The largest other rows: "
-            + ", ".join(f"{k} {v:.0f}%" for k, v in r.drop("GEMM", errors="ignore").head(3).items())
+            f"- **{col}** (*{best.split(' ', 1)[1]}*): matrix products take {rest.loc['GEMM', col]:.0f}% of the step, and "
+            f"while they run they reach {gemm_tflops:,.0f} TFLOP/s (the weights' 6 FLOPs per parameter and token over the "
+            f"GEMM kernels' time), {gemm_tflops / ceiling_tflops:.0%} of the measured matmul ceiling. The largest other "
+            f"rows: " + ", ".join(f"{k} {v:.0f}%" for k, v in r.head(3).items())
             + f"; the GPU is idle {rest.loc['GPU idle', col]:.0f}% of the step.")
     display(Markdown("\n".join(parts) + "\n\nThese are the levers that are left: the element-wise and normalisation "
                      "rows shrink with fusion (compilation, fused kernels), idle time with fewer launches and "
@@ -701,7 +717,7 @@ else:
 #
 # The LLM book fine-tunes the 1.3B model on Colab's free T4. Chapter 1 showed the plain setup running out
 # of memory there. Here the planner chooses: we ask it for the cheapest changes that make a full
-# fine-tuning setup (batch 8, 512 tokens, 16-bit autocast, AdamW) fit the T4's budget, then run its best
+# fine-tuning setup (batch 8, 512 tokens, fp16 autocast as a T4 needs, AdamW) fit the T4's budget, then run its best
 # suggestion on this GPU with the allocator capped at that budget (chapter 1's emulation, `measure.t4_budget`
 # less this process's CUDA context) and compare the measured peak and throughput with the plan.
 
@@ -764,7 +780,7 @@ if recipe_run is not None:
 # | the forward or backward pass | activations (grow with batch × sequence) | SDPA attention; a smaller micro-batch with accumulation; checkpointing | [1](01_memory_anatomy.ipynb), [3](03_batch_size_grad_accumulation.ipynb), [4](04_gradient_checkpointing.ipynb) |
 # | the optimizer step | the optimizer's temporaries on top of the gradients | fused or 8-bit AdamW; free the gradients (`set_to_none=True`) | [5](05_mixed_precision_optimizers.ipynb), [8](08_profiling.ipynb) |
 # | nowhere clear: reserved ≫ allocated | fragmentation, variable shapes | `expandable_segments`; fixed or bucketed lengths | [8](08_profiling.ipynb) |
-# | the loss | logits of a large vocabulary, in fp32 | a smaller micro-batch; chunked loss | [1](01_memory_anatomy.ipynb), [9](09_fast_path.ipynb) |
+# | the loss (language models) | logits of a large vocabulary, and their fp32 gradients | a smaller micro-batch with accumulation | [3](03_batch_size_grad_accumulation.ipynb), [4](04_gradient_checkpointing.ipynb) |
 #
 # **Slow?** Time it properly first (≥ 10 steps, the spread), then read the GPU-busy fraction:
 #
@@ -839,11 +855,11 @@ if recipe_run is not None:
 #
 # - Hugging Face, *Model training anatomy* and *Efficient training on a single GPU* (the ladder's starting
 #   point and its rungs); the *Model Memory Calculator* and `accelerate estimate-memory`.
-# - Rajbhandari et al. (2020), *ZeRO*: the model-state formula. Korthikanti et al. (2022): the activation
-#   formula. Anthony et al. (2023), *Transformer Math 101*.
-# - Chowdhery et al. (2022), *PaLM*, appendix B: the MFU convention. Dao et al. (2022), *FlashAttention*.
-# - Ansel et al. (2024), *PyTorch 2*: `torch.compile`; PyTorch's tutorial on regional compilation.
-# - Heo (2024), the LLM book's chapter 5: the 1.3B model on a T4.
+# - [Rajbhandari et al. (2020)](../book/references.md), *ZeRO*: the model-state formula. [Korthikanti et al. (2022)](../book/references.md): the activation
+#   formula. [Anthony et al. (2023)](../book/references.md), *Transformer Math 101*.
+# - [Chowdhery et al. (2022)](../book/references.md), *PaLM*, appendix B: the MFU convention. [Dao et al. (2022)](../book/references.md), *FlashAttention*.
+# - [Ansel et al. (2024)](../book/references.md), *PyTorch 2*: `torch.compile`; PyTorch's tutorial on regional compilation.
+# - [Heo (2024)](../book/references.md), the LLM book's chapter 5: the 1.3B model on a T4.
 #
 # All the works the book cites are on the [references page](../book/references.md).
 
