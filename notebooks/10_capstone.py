@@ -81,7 +81,7 @@ env.report(prof)
 
 # %%
 chapter_start = time.perf_counter()
-CHAPTER_BUDGET_S = prof.pick(tiny=600.0, full=345.0)
+CHAPTER_BUDGET_S = prof.pick(tiny=600.0, full=340.0)
 
 
 def one_line(err):
