@@ -218,16 +218,16 @@ def validate(s: Setup) -> list[str]:
 # Linear layers of one block grouped by the tensor they read: linears of a group share one input, so
 # autograd saves it once. (family -> list of (group input width key, names)).
 _INPUT_GROUPS = {
-    "bert": [("h", ("query", "key", "value")), ("h", ("attention.output.dense",)),
-             ("h", ("intermediate.dense",)), ("I", ("output.dense",))],
-    "gpt_neox": [("h", ("query_key_value",)), ("h", ("attention.dense",)),
-                 ("h", ("dense_h_to_4h",)), ("I", ("dense_4h_to_h",))],
-    "llama": [("h", ("q_proj", "k_proj", "v_proj")), ("h", ("o_proj",)),
-              ("h", ("gate_proj", "up_proj")), ("I", ("down_proj",))],
+    "bert": [("h", ("attention.self.query", "attention.self.key", "attention.self.value")),
+             ("h", ("attention.output.dense",)), ("h", ("intermediate.dense",)), ("I", ("output.dense",))],
+    "gpt_neox": [("h", ("attention.query_key_value",)), ("h", ("attention.dense",)),
+                 ("h", ("mlp.dense_h_to_4h",)), ("I", ("mlp.dense_4h_to_h",))],
+    "llama": [("h", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")), ("h", ("self_attn.o_proj",)),
+              ("h", ("mlp.gate_proj", "mlp.up_proj")), ("I", ("mlp.down_proj",))],
 }
 # Inputs of these groups are fp32 under autocast (outputs of LayerNorm/RMSNorm on the fp32 residual
 # stream), so each linear of the group saves its own 16-bit cast copy; the others read 16-bit tensors.
-_FP32_INPUT_UNDER_AUTOCAST = {"bert": (0,), "gpt_neox": (0, 2), "llama": (0, 2)}
+_FP32_INPUT_UNDER_AUTOCAST = {"bert": (0, 2), "gpt_neox": (0, 2), "llama": (0, 2)}
 
 
 @dataclass(frozen=True)
@@ -507,27 +507,35 @@ def _lora_activation_delta(s: Setup, shape: Shape, pc: str, backend: str) -> flo
     drop = s.lora_dropout > 0
     fp32_groups = _FP32_INPUT_UNDER_AUTOCAST[shape.family]
     widths = {"h": shape.hidden, "I": shape.intermediate}
+    # The output projection reads a view of the fused attention kernel's output (which the kernel keeps
+    # for its own backward) when that output is laid out (b, s, heads, d): BERT's on CPU and CUDA,
+    # GPT-NeoX's on CUDA (the reason its fp32 blocks save 28sbh there, 32sbh on CPU).
+    shared_out = s.attention == "sdpa" and (
+        shape.family == "bert" or (backend == "cuda" and shape.family == "gpt_neox" and pc == "fp32"))
     delta = 0.0
     for gi, (wkey, members) in enumerate(_INPUT_GROUPS[shape.family]):
         d = widths[wkey]
-        names = [n for n, _, _ in shape.layer_linears if any(n == m or n.endswith("." + m) for m in members)]
+        names = [n for n, _, _ in shape.layer_linears if n in members]
         n_t = sum(1 for n in names if n in targets)
         # what the frozen base no longer saves
-        if pc == "amp" and gi in fp32_groups:
+        if gi == 1 and shared_out:
+            pass  # the fused kernel's output stays saved whether or not the projection is frozen
+        elif pc == "amp" and gi in fp32_groups:
             delta -= len(names) * 2 * d
         else:
             delta -= e_x * d
         if not n_t:
             continue
         if pc == "amp":
-            mask = (2 if backend == "cpu" else 1) if drop else 0
+            mask = (4 if backend == "cpu" else 1) if drop else 0  # dropout runs on peft's fp32 cast
             # QLoRA / bf16 base: the group's input is fp32 only when it comes from a norm
             delta += n_t * (mask + 2) * d
         elif drop:
             mask = e_adapter if backend == "cpu" else 1
             delta += n_t * (mask + e_adapter) * d
         elif e_x == e_adapter:
-            delta += e_x * d  # lora_A saves the base's input itself, once per group
+            if not (gi == 1 and shared_out):
+                delta += e_x * d  # lora_A saves the base's input itself, once per group
         else:
             delta += n_t * e_adapter * d  # a cast copy per adapter
     r_bytes = 2 if pc == "amp" else e_adapter

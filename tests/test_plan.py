@@ -89,16 +89,38 @@ def test_block_activation_formula_matches_saved_tensor_hooks_on_cpu(model, head,
     assert plan.layer_activation_bytes(s, backend="cpu") == _saved_per_layer(name, head, prec, attn)
 
 
-@pytest.mark.parametrize("targets,dropout", [(("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"), 0.05),
-                                             (("query_key_value",), 0.0)])
-@pytest.mark.parametrize("prec", ["fp32", "bf16"])
-def test_lora_block_activations_match_on_cpu(targets, dropout, prec):
-    s = plan.Setup(model="gpt-neox-1.3b", precision=prec, lora_rank=4, lora_targets=targets, lora_dropout=dropout,
-                   **TINY)
-    if prec == "bf16":  # the planner runs a bf16 base under autocast (chapter 6); the CPU check is without it
-        pytest.skip("bf16 LoRA is planned under autocast; checked on the GPU")
+LORA_CASES = [
+    ("gpt-neox-1.3b", ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"), 0.05),
+    ("gpt-neox-1.3b", ("query_key_value",), 0.0),
+    ("bert-large", ("query", "value"), 0.05),
+    ("bert-large", ("query", "value", "dense", "intermediate.dense"), 0.0),
+]
+
+
+@pytest.mark.parametrize("model,targets,dropout", LORA_CASES)
+@pytest.mark.parametrize("prec", ["fp32", "bf16-autocast"])
+def test_lora_block_activations_match_saved_tensor_hooks_on_cpu(model, targets, dropout, prec):
+    """Frozen linears stop saving their inputs, adapters save theirs: exact on CPU (tolerance 0)."""
+    s = plan.Setup(model=model, precision=prec, lora_rank=4, lora_targets=targets, lora_dropout=dropout, **TINY)
+    head = plan.shape(s).head
     assert plan.layer_activation_bytes(s, backend="cpu") == _saved_per_layer(
-        "polyglot-ko-1.3b", "causal-lm", prec, "sdpa", lora=(4, targets, dropout))
+        plan.ALIASES[model], head, prec, "sdpa", lora=(4, targets, dropout))
+
+
+@pytest.mark.parametrize("batch,seq", [(1, 64), (3, 96)])
+def test_block_formula_on_medium_shapes(batch, seq):
+    """A wider block (h = 256, I = 1024, 8 heads) at other batch and sequence sizes: still exact."""
+    over = dict(hidden_size=256, intermediate_size=1024, num_attention_heads=8, num_hidden_layers=2)
+    m = models.build("polyglot-ko-1.3b", profile="tiny", head="causal-lm", attn_implementation="sdpa",
+                     device="cpu", **over)
+    m.train()
+    meter = accounting.SavedTensorMeter(m, group={"b1": m.gpt_neox.layers[1]})
+    ids = torch.randint(0, 1000, (batch, seq))
+    with meter:
+        m(input_ids=ids, labels=ids)
+    cfg = models.config("polyglot-ko-1.3b", "tiny", **over)
+    s = plan.Setup(model=cfg, precision="fp32", batch=batch, seq=seq)
+    assert plan.layer_activation_bytes(s, backend="cpu") == meter.bytes_by_group["b1"]
 
 
 def test_suggest_returns_only_fitting_plans_sorted_by_cost():
