@@ -213,22 +213,25 @@ glue("planner_max_err_pct", planner_max_err_pct)
 error_summary
 
 # %%
-fig, ax = plt.subplots(figsize=(7.5, 6.5))
+fig, ax = plt.subplots(figsize=(10, 6.5))
 ok = validation[measured_ok]
 if len(ok):
-    lo, hi = ok["measured peak (GiB)"].min() / 2, ok["measured peak (GiB)"].max() * 2
+    plotted = ok[[c for c in ok.columns if c.endswith("(GiB)")]].to_numpy(float)
+    lo, hi = np.nanmin(plotted[plotted > 0]) / 1.3, np.nanmax(plotted) * 1.3
     ax.fill_between([lo, hi], [lo * 0.9, hi * 0.9], [lo * 1.1, hi * 1.1], color="0.9", label="±10%")
     ax.plot([lo, hi], [lo, hi], "k-", lw=1, label="predicted = measured")
     for name, marker in zip(BASELINES, ["s", "^", "v", "D"]):
         ax.scatter(ok["measured peak (GiB)"], ok[f"{name} (GiB)"], marker=marker, s=22, alpha=0.6, label=name)
     ax.scatter(ok["measured peak (GiB)"], ok["predicted peak (GiB)"], marker="o", s=40, color="k",
                label="the planner", zorder=5)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlim(lo, hi)
-    ax.legend(loc="upper left", fontsize=8)
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), aspect="equal")
+    for axis in (ax.xaxis, ax.yaxis):  # plain numbers on the log axes: 1, 2, 5, 10, 20, ...
+        axis.set_major_locator(plt.matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
+        axis.set_major_formatter(plt.matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        axis.set_minor_formatter(plt.matplotlib.ticker.NullFormatter())
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8)
     others = error_summary.drop("the planner")["median |error| (%)"]
-    ax.set_title(f"{len(ok)} setups: the planner is off by a median of {planner_median_err_pct:.1f}%,\n"
+    ax.set_title(f"{len(ok)} setups: the planner is off by a median of {planner_median_err_pct:.1f}%, "
                  f"the other estimators by {others.min():.0f}% to {others.max():.0f}%", fontsize=10)
 else:
     ax.text(0.5, 0.5, "measured peaks need a GPU", ha="center", va="center", transform=ax.transAxes)
@@ -607,8 +610,9 @@ ladder_mfu_1p3b = float(llm_table.loc[best_llm, "MFU vs datasheet (%)"]) if best
 glue("ladder_mfu_bert", ladder_mfu_bert)
 glue("ladder_mfu_1p3b", ladder_mfu_1p3b)
 fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
-for ax, (title, table, goal) in zip(axes, [("bert-large, 512 tokens", bert_table, 35),
-                                           ("1.3B GPT-NeoX, 2048 tokens", llm_table, 45)]):
+for ax, (title, table, goal) in zip(axes, [
+        (f"bert-large, {LADDER['bert-large-uncased']['seq_len']} tokens", bert_table, 35),
+        (f"1.3B GPT-NeoX, {LADDER['polyglot-ko-1.3b']['seq_len']} tokens", llm_table, 45)]):
     done = table.dropna(subset=["tokens/s"]) if "tokens/s" in table else table.iloc[:0]
     y = np.arange(len(done))[::-1]
     metric = "MFU vs datasheet (%)" if prof.on_gpu else "MFU vs matmul ceiling (%)"
@@ -622,9 +626,10 @@ for ax, (title, table, goal) in zip(axes, [("bert-large, 512 tokens", bert_table
     ax.set_xlabel(metric.replace("(%)", "(%, bars) and tokens/s (labels)"))
     ax.set_xlim(0, max(60, float(done[metric].max()) * 1.35) if len(done) else 60)
     ax.set_title(title)
-fig.suptitle(f"each rung kept: MFU from {bert_table[metric].astype(float).min():.1f}% to {ladder_mfu_bert if prof.on_gpu else bert_table[metric].astype(float).max():.1f}% "
-             f"(bert-large) and from {llm_table[metric].astype(float).min():.1f}% to "
-             f"{ladder_mfu_1p3b if prof.on_gpu else llm_table[metric].astype(float).max():.1f}% (1.3B)")
+first_last = {n: (t[metric].astype(float).dropna().iloc[0], float(t.loc[best, metric])) if best else (np.nan, np.nan)
+              for n, t, best in (("bert-large", bert_table, best_bert), ("1.3B", llm_table, best_llm))}
+fig.suptitle("the speed ladder: " + "; ".join(f"{n} from {v0:.1f}% to {v1:.1f}% MFU" for n, (v0, v1) in first_last.items())
+             + ("" if prof.on_gpu else " (CPU run: against the CPU's matmul rate)"))
 fig.tight_layout()
 
 # %% tags=["remove-input"]
@@ -730,11 +735,17 @@ pd.DataFrame([{"change": d, "predicted peak (GiB)": p.peak_gib, "peak phase": p.
               for d, _, p, c in suggestions]).rename_axis("rank").head(8)
 
 # %%
-recipe_desc, recipe, recipe_plan, recipe_cost = suggestions[0]
 recipe_run = None
-if profiles.cuda_or_skip("running the recipe needs a GPU (the plan above is pure arithmetic)"):
-    with measure.gpu_budget(T4_BUDGET_GIB):
-        recipe_run = plan.measure(recipe, device=dev, steps=12)  # 12 optimizer steps, each synchronised
+if not suggestions:
+    print(f"no change of one or two settings fits {T4_BUDGET_GIB:.2f} GiB: nothing to run")
+elif profiles.cuda_or_skip("running the recipe needs a GPU (the plan above is pure arithmetic)"):
+    recipe_desc, recipe, recipe_plan, recipe_cost = suggestions[0]
+    try:
+        with measure.gpu_budget(T4_BUDGET_GIB):
+            recipe_run = plan.measure(recipe, device=dev, steps=12)  # 12 optimizer steps, each synchronised
+    except Exception as err:  # report a failure in one line rather than end the chapter
+        recipe_run = {"status": f"failed: {one_line(err)}"}
+    cleanup.collect()
     ran = recipe_run["status"] == "ok"
     tokens_per_step = recipe.batch * recipe.grad_accum * recipe.seq
     recipe_table = pd.Series({
