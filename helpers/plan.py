@@ -30,6 +30,23 @@ Every term is a count, not a fit to GPU measurements:
 - temporaries: the multi-tensor AdamW step's one copy of the states (chapter 1, section 1.5), the loss's
   fp32 logits and their gradients for language-model heads (chapter 4, section 4.3), one layer's
   recomputed activations under checkpointing (chapter 4), Adafactor's per-parameter buffers.
+
+How sure each term is (what a GPU run should check first):
+
+- counted exactly on CPU and matching the book's GPU runs to about 1%: model states of every optimizer
+  (chapter 5's table: 6.31/5.41/4.16/2.91/3.55/2.92 GiB against 6.24/5.36/4.11/2.87/3.50/2.86 predicted,
+  the rest being the chapter's 65 MiB baseline), bert-large's saved activations (3.12 GiB at 4 x 512),
+  the 1.3B model's in fp32, bf16 autocast, LoRA and QLoRA (chapter 6), and the fp16 batch sweep of
+  chapter 4 (17.05 and 26.34 GiB measured above a 0.32 GiB baseline, 16.84 and 26.12 predicted);
+- reasoned, not yet seen on a GPU: BERT's eager attention under autocast (7 bytes per score: CUDA's
+  autocast runs softmax in fp32), GPT-NeoX with SDPA and 16-bit weights (the CPU count, 16sbh), Llama
+  (CPU counts only), the checkpointing schedule's every-k variant, Adafactor's step buffers;
+- known gap: chapter 6's QLoRA step peaked 0.3 GiB above the sum of these terms (its peak includes
+  loading the quantized checkpoint, which ``measure`` leaves out).
+
+``measure`` leaves out what is allocated before the model is built, including the cuBLAS workspaces
+(created by a warm-up matmul in both the forward and the autograd thread), so its peak is the training
+step's own; the planner's GPU budgets subtract ``CONTEXT_RESERVE_GIB`` for the CUDA context and these.
 """
 
 from __future__ import annotations
@@ -85,6 +102,7 @@ GPU_MEMORY_GIB = {
     "H200": 139.8,
 }
 CONTEXT_RESERVE_GIB = 0.75
+NO_BF16_GPUS = ("T4", "V100-16", "V100-32")  # compute capability below 8.0
 
 # Which chapter measured each component (shown by Plan.table()).
 SOURCES = {
@@ -411,11 +429,12 @@ def _act_coef(family: str, pclass: str, attention: str, backend: str) -> tuple[f
 # Outside the blocks (embeddings, final norm, head, loss), per token: coefficient of s*b*h by
 # (family, precision class). Language-model heads add the loss's fp32 log-softmax, 4*s*b*V.
 _OTHER_SBH = {
-    ("bert", "fp32"): 9, ("bert", "amp"): 9, ("bert", "half"): 5,
+    ("bert", "fp32"): 9, ("bert", "amp"): 5, ("bert", "half"): 5,
     ("gpt_neox", "fp32"): 8, ("gpt_neox", "amp"): 6, ("gpt_neox", "half"): 4,
     ("llama", "fp32"): 12, ("llama", "amp"): 10, ("llama", "half"): 8,
 }
-_OTHER_SBH_CPU = {("bert", "fp32"): 12, ("bert", "amp"): 12, ("bert", "half"): 6}
+# On CPU BERT's embedding dropout mask has the dtype of the embeddings (fp32) rather than 1 byte.
+_OTHER_SBH_CPU = {("bert", "fp32"): 12, ("bert", "amp"): 8, ("bert", "half"): 6}
 
 
 def _pclass(s: Setup) -> str:
@@ -554,7 +573,10 @@ def other_activation_bytes(s: Setup, *, backend: str = "cuda") -> int:
     k = _OTHER_SBH.get((shape.family, pc), 8)
     if backend == "cpu":
         k = _OTHER_SBH_CPU.get((shape.family, pc), k)
+    if s.lora_rank and shape.head == "causal-lm" and shape.family == "gpt_neox":
+        k = 4  # the frozen LM head no longer saves its input; the final LayerNorm's fp32 input remains
     total = k * tok * shape.hidden
+    total += (20 if pc == "half" else 24) * tok  # token ids for the embedding's backward, norm statistics
     if shape.head == "causal-lm":
         total += 4 * tok * shape.vocab
     return int(total)
@@ -632,7 +654,7 @@ def optimizer_state_bytes(s: Setup) -> int:
     """Bytes of optimizer states on the device, before ZeRO (paged 8-bit states live in unified memory: 0).
 
     AdamW: two states in the parameter's dtype (8 bytes per fp32 parameter); SGD with momentum: one;
-    Adafactor (transformers): a row and a column vector per matrix, a full vector per 1-D tensor;
+    Adafactor (transformers): a row and a column vector per matrix, a full vector per 1-D tensor, fp32;
     8-bit AdamW (bitsandbytes): 2 bytes + two fp32 absmaxes per 256 values, 32-bit states for tensors
     under 4096 values. Chapter 5, section 5.4 measured 8.00, 4.00, 0.01 and 2.04 bytes per parameter.
 
@@ -645,8 +667,8 @@ def optimizer_state_bytes(s: Setup) -> int:
             total += 2 * n * e
         elif opt == "sgd-momentum":
             total += n * e
-        elif opt == "adafactor":
-            total += (math.prod(shp[:-1]) + math.prod(shp[:-2]) * shp[-1]) * e if len(shp) >= 2 else n * e
+        elif opt == "adafactor":  # transformers' Adafactor keeps fp32 states (it upcasts 16-bit gradients)
+            total += (math.prod(shp[:-1]) + math.prod(shp[:-2]) * shp[-1]) * 4 if len(shp) >= 2 else n * 4
         elif opt == "adamw8bit":
             total += 2 * n + 2 * 4 * math.ceil(n / BNB_OPT_BLOCK) if n >= BNB_MIN_8BIT else 8 * n
     return int(total)
@@ -806,12 +828,15 @@ def predict(s: Setup, *, backend: str = "cuda") -> Plan:
     if s.zero_stage >= 3 and s.world_size > 1:  # ZeRO-3 gathers one block's weights at a time
         gathered = shape.layer_linear_numel() * _weight_dtype_bytes(s)
 
-    # forward (step 2: states exist)
+    # forward (step 2: states exist): the larger of two moments, the last block running (a checkpointed
+    # block holds its activations until it returns) and the loss (logits next to the log-softmax).
+    # Autocast's copies stay cached until the forward pass ends, also under checkpointing.
     any_ck = any(ck)
-    fwd_acts = sum(stored) + A_other + (A_layer if any_ck else 0)
-    fwd_copies = C_all  # cached for the whole forward, also under checkpointing
-    forward = {"weights": W + gathered, "gradients": G_acc, "optimizer_states": Ost, "activations": fwd_acts,
-               "autocast_copies": fwd_copies, "temporaries": loss_fwd}
+    in_last = {"weights": W + gathered, "gradients": G_acc, "optimizer_states": Ost,
+               "activations": sum(stored[:-1]) + A_layer, "autocast_copies": C_all - C_head, "temporaries": 0}
+    at_loss = {"weights": W + gathered, "gradients": G_acc, "optimizer_states": Ost,
+               "activations": sum(stored) + A_other, "autocast_copies": C_all, "temporaries": loss_fwd}
+    forward = at_loss if sum(at_loss.values()) >= sum(in_last.values()) else in_last
 
     # backward: start (loss gradients) then block by block from the top
     best: dict[str, int] = {}
@@ -840,8 +865,10 @@ def predict(s: Setup, *, backend: str = "cuda") -> Plan:
     if s.optimizer == "adamw":
         T_opt = Ost // 2  # the multi-tensor step's sqrt(v): one copy of a state (chapter 1, section 1.5)
     elif s.optimizer == "adafactor":
+        # per tensor: the update and the factored estimate (fp32); for 16-bit tensors also fp32 copies of
+        # the gradient and the weight
         largest = max((n * 4 for n, _, _ in tr), default=0)
-        T_opt = 2 * largest
+        T_opt = (2 if _weight_dtype_bytes(s) == 4 or s.lora_rank else 4) * largest
     step = {"weights": W, "gradients": G, "optimizer_states": Ost, "activations": 0, "autocast_copies": 0,
             "temporaries": T_opt}
     phase_components = {"forward": forward, "backward": backward, "optimizer step": step}
@@ -918,17 +945,16 @@ def _quantize_nf4(model: nn.Module, double_quant: bool) -> nn.Module:
                 q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
                                       compute_dtype=torch.bfloat16, compress_statistics=double_quant,
                                       quant_type="nf4", device="meta")
-                q.weight = bnb.nn.Params4bit(child.weight.data.to("cpu"), requires_grad=False, module=q,
+                q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, module=q,
                                              compress_statistics=double_quant, quant_type="nf4").to(dev)
                 if child.bias is not None:
                     q.bias = nn.Parameter(child.bias.data.float(), requires_grad=False)
                 setattr(parent, cname, q)
                 del child
-    for p in model.parameters():
+    for p in model.parameters():  # prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         p.requires_grad_(False)
         if p.dtype in (torch.float16, torch.bfloat16):
             p.data = p.data.float()
-    model.enable_input_require_grads()
     return model
 
 
@@ -969,9 +995,7 @@ def measure(s: Setup, device: str | torch.device = "cuda", steps: int = 2, seed:
     Not used in a chapter yet: chapter 10's planner (its section 10.2).
     """
     import gc
-    import time
 
-    from helpers import accounting
     from helpers import measure as _measure
 
     validate(s)
@@ -981,79 +1005,87 @@ def measure(s: Setup, device: str | torch.device = "cuda", steps: int = 2, seed:
         return {"status": "skipped", "why": "ZeRO needs several processes (chapter 7); the plan uses the formula"}
     if s.optimizer in ("adamw8bit", "paged-adamw8bit") and not cuda:
         return {"status": "skipped", "why": "bitsandbytes' 8-bit optimizers need CUDA"}
+    where = ["building the model"]
+    try:
+        if cuda:
+            # cuBLAS keeps a workspace per thread and stream: create the forward thread's and the autograd
+            # thread's before the baseline, so that the peak counts the training step only.
+            for dt in (torch.float32, torch.bfloat16, torch.float16):
+                a = torch.ones(64, 64, device=dev, dtype=dt, requires_grad=True)
+                (a @ a).float().sum().backward()
+                del a
+            _measure.synchronize(dev)
+        base = torch.cuda.memory_allocated(dev) if cuda else 0
+        result = _train(s, dev, steps, seed, base, where)
+    except torch.OutOfMemoryError:
+        result = {"status": "oom", "where": where[0], "setup": s.label(), "peak_allocated_bytes": None}
+    finally:
+        gc.collect()  # everything _train built is unreachable once it has returned or raised
+        if cuda:
+            torch.cuda.empty_cache()
+    return result
+
+
+def _train(s: Setup, dev: torch.device, steps: int, seed: int, base: int, where: list[str]) -> dict:
+    """The body of ``measure``: its locals (model, optimizer, batches) die with the call."""
+    import gc
+    import time
+
+    from helpers import accounting
+    from helpers import measure as _measure
+
+    cuda = dev.type == "cuda"
     amp = _pclass(s) == "amp"
     amp_dtype = torch.float16 if s.precision.startswith("fp16") else torch.bfloat16
     shape = _shape(s)
     gen = torch.Generator().manual_seed(seed)
-    model = optimizer = None
     result: dict[str, Any] = {"status": "ok", "setup": s.label()}
-    phases: dict[str, float] = {p: 0 for p in PHASES}
-    where = "building the model"
-    try:
-        if cuda:
-            a = torch.ones(64, 64, device=dev)
-            for dt in (torch.float32, torch.bfloat16, torch.float16):  # cuBLAS workspaces before the baseline
-                (a.to(dt) @ a.to(dt)).sum().item()
-            del a
-            _measure.synchronize(dev)
-        base = torch.cuda.memory_allocated(dev) if cuda else 0
-        model = _build_model(s, dev)
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = _make_optimizer(s, params)
-        scaler = torch.amp.GradScaler(dev.type) if (amp and amp_dtype == torch.float16) else None
-        rec = _measure.PhaseRecorder(dev)
-        times = []
-        saved = 0
-        for step in range(steps):
-            t0 = time.perf_counter()
-            for micro in range(s.grad_accum):
-                ids = torch.randint(0, shape.vocab, (s.batch, s.seq), generator=gen).to(dev)
-                if shape.head == "causal-lm":
-                    labels = ids
-                else:
-                    labels = torch.randint(0, 2, (s.batch,), generator=gen).to(dev)
-                where = f"step {step + 1}: forward"
-                meter = accounting.SavedTensorMeter(model) if step == steps - 1 and micro == 0 else None
-                with rec.phase("forward"), (meter or _null()), torch.autocast(dev.type, dtype=amp_dtype, enabled=amp):
-                    loss = model(input_ids=ids, labels=labels).loss / s.grad_accum
-                if meter is not None:
-                    saved = meter.total_bytes
-                where = f"step {step + 1}: backward"
-                with rec.phase("backward"):
-                    (scaler.scale(loss) if scaler else loss).backward()
-                del loss
-            where = f"step {step + 1}: optimizer step"
-            with rec.phase("optimizer step"):
-                if scaler:
-                    scaler.step(optimizer)
-                    scaler.update()
-                else:
-                    optimizer.step()
-            if step == steps - 1:
-                states = accounting.model_state_bytes(model, optimizer)
-            optimizer.zero_grad(set_to_none=True)
-            _measure.synchronize(dev)
-            times.append(time.perf_counter() - t0)
-        if cuda:
-            frame = rec.to_frame()
-            for ph in PHASES:
-                phases[ph] = int(frame.loc[[ph], "peak_allocated_mib"].max() * 2**20) - base
-            result["peak_allocated_bytes"] = max(phases.values())
-            result["peak_phase"] = max(phases, key=lambda k: phases[k])
-            result["phases"] = phases
-        else:
-            result["peak_allocated_bytes"] = None
-            result["peak_phase"] = None
-            result["phases"] = None
-        result["accounted_bytes"] = {**states, "activations": saved}
-        result["step_s"] = float(pd.Series(times).median())
-    except torch.OutOfMemoryError:
-        result = {"status": "oom", "where": where, "setup": s.label(), "peak_allocated_bytes": None}
-    finally:
-        model = optimizer = None
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
+    phases: dict[str, int] = {p: 0 for p in PHASES}
+    model = _build_model(s, dev)
+    optimizer = _make_optimizer(s, [p for p in model.parameters() if p.requires_grad])
+    gc.collect()  # construction leftovers (the 16-bit weights an NF4 conversion replaced)
+    scaler = torch.amp.GradScaler(dev.type) if (amp and amp_dtype == torch.float16) else None
+    rec = _measure.PhaseRecorder(dev)
+    times = []
+    saved = 0
+    states: dict[str, int] = {}
+    for step in range(steps):
+        t0 = time.perf_counter()
+        for micro in range(s.grad_accum):
+            ids = torch.randint(0, shape.vocab, (s.batch, s.seq), generator=gen).to(dev)
+            labels = ids if shape.head == "causal-lm" else torch.randint(0, 2, (s.batch,), generator=gen).to(dev)
+            where[0] = f"step {step + 1}: forward"
+            meter = accounting.SavedTensorMeter(model) if step == steps - 1 and micro == 0 else None
+            with rec.phase("forward"), (meter or _null()), torch.autocast(dev.type, dtype=amp_dtype, enabled=amp):
+                loss = model(input_ids=ids, labels=labels).loss / s.grad_accum
+            if meter is not None:
+                saved = meter.total_bytes
+            where[0] = f"step {step + 1}: backward"
+            with rec.phase("backward"):
+                (scaler.scale(loss) if scaler else loss).backward()
+            del loss
+        where[0] = f"step {step + 1}: optimizer step"
+        with rec.phase("optimizer step"):
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+        if step == steps - 1:
+            states = accounting.model_state_bytes(model, optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        _measure.synchronize(dev)
+        times.append(time.perf_counter() - t0)
+    if cuda:
+        frame = rec.to_frame()
+        for ph in PHASES:
+            phases[ph] = int(frame.loc[[ph], "peak_allocated_mib"].max() * 2**20) - base
+        result.update(peak_allocated_bytes=max(phases.values()), peak_phase=max(phases, key=lambda k: phases[k]),
+                      phases=phases)
+    else:
+        result.update(peak_allocated_bytes=None, peak_phase=None, phases=None)
+    result["accounted_bytes"] = {**states, "activations": saved}
+    result["step_s"] = float(pd.Series(times).median())
     return result
 
 
@@ -1080,7 +1112,7 @@ _CHANGES: list[tuple[str, dict, float]] = [
     ("paged 8-bit AdamW", {"optimizer": "paged-adamw8bit"}, 1.07),
     ("checkpoint every 2nd block", {"checkpointing": 2}, 1.2),
     ("full gradient checkpointing", {"checkpointing": "full"}, 1.35),
-    ("LoRA r=8 on all block linears", {"lora_rank": 8, "lora_targets": "all"}, 1.0),
+    ("LoRA r=8 on all block linears, bf16 base", {"lora_rank": 8, "lora_targets": "all", "precision": "bf16"}, 1.0),
     ("QLoRA r=8 (NF4 base)", {"lora_rank": 8, "lora_targets": "all", "qlora": True, "precision": "bf16"}, 1.8),
     ("Adafactor", {"optimizer": "adafactor"}, 1.7),
 ]
@@ -1091,21 +1123,27 @@ def _all_targets(s: Setup) -> tuple[str, ...]:
                  for n, _, _ in _shape(s).layer_linears)
 
 
-def suggest(s: Setup, budget_gib: float, *, max_changes: int = 2) -> list[tuple[str, Setup, Plan, float]]:
+def suggest(s: Setup, budget_gib: float, *, max_changes: int = 2, half: str = "bf16") -> list[tuple[str, Setup, Plan, float]]:
     """Changes of ``s`` (one or two at a time, plus halving the batch with accumulation) that fit.
 
     Returns ``(description, setup, plan, relative_time_cost)`` for every candidate whose predicted peak
     is at most ``budget_gib``, cheapest first (ties: smaller peak first). The cost is a rough factor on
     the step time from the chapters' measurements; splitting the batch into micro-batches keeps the
-    effective batch and costs little when the step is launch-bound.
+    effective batch and costs little when the step is launch-bound. ``half``: the 16-bit type the
+    changes may switch to (``"fp16"`` for GPUs without bf16 tensor cores, the T4 and the V100).
 
     Not used in a chapter yet: chapter 10's planner (its section 10.3).
     """
     import itertools
 
+    if half not in ("bf16", "fp16"):
+        raise ValueError(f"half must be 'bf16' or 'fp16', got {half!r}")
     singles: list[tuple[str, dict, float]] = []
     for desc, change, cost in _CHANGES:
         ch = dict(change)
+        if "precision" in ch:  # GPUs without bf16 (T4, V100) get fp16
+            ch["precision"] = ch["precision"].replace("bf16", half)
+            desc = desc.replace("bf16", half)
         if ch.get("lora_targets") == "all":
             ch["lora_targets"] = _all_targets(s)
         if all(getattr(s, k) == v for k, v in ch.items()):
@@ -1121,10 +1159,14 @@ def suggest(s: Setup, budget_gib: float, *, max_changes: int = 2) -> list[tuple[
                         1.0 + 0.05 * math.log2(s.batch // b)))
     out = []
     seen = set()
+    fitting: set[int] = set()  # single changes that fit alone: no combination needs to add to them
     for k in range(1, max_changes + 1):
-        for combo in itertools.combinations(singles, k):
+        for idx in itertools.combinations(range(len(singles)), k):
+            combo = [singles[i] for i in idx]
             keys = [set(c[1]) for c in combo]
             if any(a & b_ for a, b_ in itertools.combinations(keys, 2)):
+                continue
+            if k > 1 and any(i in fitting for i in idx):
                 continue
             change: dict = {}
             for c in combo:
@@ -1139,6 +1181,8 @@ def suggest(s: Setup, budget_gib: float, *, max_changes: int = 2) -> list[tuple[
             if key in seen or not p.fits(budget_gib):
                 continue
             seen.add(key)
+            if k == 1:
+                fitting.add(idx[0])
             cost = math.prod(c[2] for c in combo)
             out.append((" + ".join(c[0] for c in combo), cand, p, cost))
     out.sort(key=lambda r: (r[3], r[2].peak_bytes))
@@ -1185,6 +1229,7 @@ def baselines(s: Setup) -> dict[str, int]:
     }
 
 
+DEFAULT_LORA_TARGETS = {"bert": ("query", "value"), "gpt_neox": ("query_key_value",), "llama": ("q_proj", "v_proj")}
 _NEOX_ALL = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
 
 
@@ -1257,7 +1302,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--checkpointing", type=_checkpointing, default="none", help="none | full | k (every k-th block)")
     ap.add_argument("--attention", default="sdpa", choices=ATTENTIONS)
     ap.add_argument("--lora-rank", type=_positive_int, default=None)
-    ap.add_argument("--lora-targets", default="query_key_value", help="comma-separated module names")
+    ap.add_argument("--lora-targets", default=None,
+                    help="comma-separated module names (default: the attention's query and value projections)")
     ap.add_argument("--qlora", action="store_true")
     ap.add_argument("--no-double-quant", action="store_true")
     ap.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
@@ -1283,9 +1329,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--budget-gib must be a positive number, got {args.budget_gib}")
     s = Setup(model=args.model, batch=args.batch, seq=args.seq, precision=args.precision, optimizer=args.optimizer,
               grad_accum=args.grad_accum, checkpointing=args.checkpointing, attention=args.attention,
-              lora_rank=args.lora_rank, lora_targets=tuple(t for t in args.lora_targets.split(",") if t),
+              lora_rank=args.lora_rank, lora_targets=tuple(t for t in (args.lora_targets or "").split(",") if t),
               qlora=args.qlora, double_quant=not args.no_double_quant, zero_stage=args.zero_stage,
               world_size=args.world_size, profile=args.profile)
+    if args.lora_targets is None:
+        try:
+            family = _shape(s).family
+        except ValueError as exc:
+            ap.error(str(exc))
+        s = s.replace(lora_targets=DEFAULT_LORA_TARGETS[family])
     needs_bnb = s.qlora or s.optimizer in ("adamw8bit", "paged-adamw8bit")
     if needs_bnb:
         try:
@@ -1300,6 +1352,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(p.table().drop(columns=["bytes"]).to_string())
     print(p.explain())
     budget = GPU_MEMORY_GIB[args.gpu] - CONTEXT_RESERVE_GIB if args.gpu else args.budget_gib
+    half = "fp16" if args.gpu in NO_BF16_GPUS else "bf16"
+    if args.gpu in NO_BF16_GPUS and "bf16" in s.precision:
+        print(f"note: the {args.gpu} has no bf16 tensor cores (compute capability < 8.0): use fp16 there")
     if budget is None:
         return 0
     where = f"{args.gpu} ({budget:.2f} GiB allocatable)" if args.gpu else f"the budget of {budget:.2f} GiB"
@@ -1307,7 +1362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"verdict: fits {where}: predicted peak {p.peak_gib:.2f} GiB")
         return 0
     print(f"verdict: does NOT fit {where}: predicted peak {p.peak_gib:.2f} GiB")
-    options = suggest(s, budget)
+    options = suggest(s, budget, half=half)
     if not options:
         print("no change of one or two settings makes it fit; try a smaller batch or sequence, or more GPUs")
         return 1
@@ -1319,3 +1374,36 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def error_table(rows: Sequence[tuple[Setup, dict]]) -> pd.DataFrame:
+    """Predicted vs measured peak for each ``(setup, measure(setup))`` pair, with the four baselines.
+
+    Columns: ``setup``, ``family``, ``predicted (GiB)``, ``measured (GiB)``, ``error (%)`` (signed,
+    predicted over measured), ``predicted phase``, ``measured phase``, and the signed error of each
+    estimator of ``baselines``. Rows whose measurement did not run (out of memory, skipped) keep NaN
+    errors. ``error_summary`` gives the median and max of the absolute errors.
+
+    Not used in a chapter yet: chapter 10's planner (its section 10.2).
+    """
+    out = []
+    for s, m in rows:
+        p = predict(s)
+        meas = m.get("peak_allocated_bytes") if m.get("status") == "ok" else None
+        row = {"setup": s.label(), "family": _shape(s).family, "predicted (GiB)": p.peak_gib,
+               "measured (GiB)": meas / GIB if meas else float("nan"),
+               "error (%)": 100 * (p.peak_bytes / meas - 1) if meas else float("nan"),
+               "predicted phase": p.peak_phase, "measured phase": m.get("peak_phase")}
+        for name, b in baselines(s).items():
+            row[f"{name}: error (%)"] = 100 * (b / meas - 1) if meas else float("nan")
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+def error_summary(table: pd.DataFrame, column: str = "error (%)") -> dict[str, float]:
+    """Median and max absolute error (%) of a column of ``error_table``, and how many rows were measured.
+
+    Not used in a chapter yet: chapter 10's planner (its section 10.2).
+    """
+    err = table[column].dropna().abs()
+    return {"median_abs_pct": float(err.median()), "max_abs_pct": float(err.max()), "rows": int(err.size)}
