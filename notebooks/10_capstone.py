@@ -124,11 +124,18 @@ T4_BUDGET_GIB = t4.budget_gib if t4 else plan.GPU_MEMORY_GIB["T4"] - plan.CONTEX
 
 # %%
 # NBVAL_CHECK_OUTPUT
+# (arithmetic only: the same on every machine, so CI compares it with the GPU run's; printed as text, which
+# unlike pandas' HTML does not change between versions)
 example = plan.Setup(model="gpt-neox-1.3b", batch=4, seq=256, precision="bf16-autocast", optimizer="adamw")
 example_plan = plan.predict(example)
-example_plan.table()
+print(example_plan.table().to_string(float_format="{:,.2f}".format))
+
+# %% [markdown]
+# The table lists what is alive at the peak (*GiB*) and the full size of each term over the step (*total*),
+# with the chapter that measured it. `explain()` says the same per phase:
 
 # %%
+# NBVAL_CHECK_OUTPUT
 print(example_plan.explain())
 
 # %% [markdown]
@@ -483,9 +490,10 @@ def rung_row(name, model, rung, t, peak_gib):
 
 # %% [markdown]
 # The climb, for one model: rungs 1 to 3 change one setting each; rung 4 tries three batch sizes and keeps
-# the knee; rung 5 checks the shapes; rung 6 compiles each transformer layer (*regional* compilation: the
-# layers are identical, so one layer is compiled once and reused, which keeps the compile time to seconds
-# rather than minutes) and is kept only when it is faster beyond the noise.
+# the knee; rung 5 checks the shapes; rung 6 compiles each transformer layer and is kept only when it is
+# faster beyond the noise. This is *regional* compilation, as PyTorch's tutorial on it recommends: the layers
+# are identical, so the code compiled for one serves all of them, and the compile time is that of one layer
+# rather than of the whole model.
 
 # %%
 def layers_of(model):
@@ -722,24 +730,36 @@ else:
 #
 # The LLM book fine-tunes the 1.3B model on Colab's free T4. Chapter 1 showed the plain setup running out
 # of memory there. Here the planner chooses: we ask it for the cheapest changes that make a full
-# fine-tuning setup (batch 8, 512 tokens, fp16 autocast as a T4 needs, AdamW) fit the T4's budget, then run its best
-# suggestion on this GPU with the allocator capped at that budget (chapter 1's emulation, `measure.t4_budget`
-# less this process's CUDA context) and compare the measured peak and throughput with the plan.
+# fine-tuning setup (batch 8, 512 tokens, fp16 autocast as a T4 needs, AdamW) fit the T4's budget, then run
+# the cheapest suggestion a T4 can run on this GPU with the allocator capped at that budget (chapter 1's
+# emulation: the T4's 15 GB less this process's CUDA context, `measure.t4_budget`), and compare the measured
+# peak and throughput with the plan. Two kinds of suggestion are set aside: a bf16 base (a T4, compute
+# capability 7.5, has no bf16 tensor cores) and *paged* optimizer states, which live in CUDA managed memory
+# outside PyTorch's allocator, where the emulated cap cannot check them.
 
 # %%
 t4_start = plan.Setup(model="gpt-neox-1.3b", batch=8, seq=512, precision="fp16-autocast", optimizer="adamw")
 print(plan.predict(t4_start).explain())
 print(f"budget: {T4_BUDGET_GIB:.2f} GiB")
 suggestions = plan.suggest(t4_start, T4_BUDGET_GIB)
-pd.DataFrame([{"change": d, "predicted peak (GiB)": p.peak_gib, "peak phase": p.peak_phase, "relative time cost": c}
-              for d, _, p, c in suggestions]).rename_axis("rank").head(8)
+
+
+def runs_on_a_t4(setup):
+    """No bf16 (a T4 has none), no paged states (outside the allocator, so the emulated cap cannot check them)."""
+    return not setup.precision.startswith("bf16") and not setup.optimizer.startswith("paged")
+
+
+t4_options = [option for option in suggestions if runs_on_a_t4(option[1])]
+pd.DataFrame([{"change": d, "predicted peak (GiB)": p.peak_gib, "peak phase": p.peak_phase, "relative time cost": c,
+               "runs on a T4 (emulated)": runs_on_a_t4(s_)}
+              for d, s_, p, c in suggestions]).rename_axis("rank").head(8)
 
 # %%
 recipe_run = None
-if not suggestions:
-    print(f"no change of one or two settings fits {T4_BUDGET_GIB:.2f} GiB: nothing to run")
+if not t4_options:
+    print(f"no change of one or two settings that a T4 can run fits {T4_BUDGET_GIB:.2f} GiB: nothing to run")
 elif profiles.cuda_or_skip("running the recipe needs a GPU (the plan above is pure arithmetic)"):
-    recipe_desc, recipe, recipe_plan, recipe_cost = suggestions[0]
+    recipe_desc, recipe, recipe_plan, recipe_cost = t4_options[0]
     try:
         with measure.gpu_budget(T4_BUDGET_GIB):
             recipe_run = plan.measure(recipe, device=dev, steps=12)  # 12 optimizer steps, each synchronised
@@ -762,22 +782,35 @@ elif profiles.cuda_or_skip("running the recipe needs a GPU (the plan above is pu
     display(recipe_table)
 
 # %% tags=["remove-input"]
+def t4_fraction():
+    """This GPU's dense 16-bit FLOP/s and bandwidth over a T4's, from helpers.flops' datasheet tables."""
+    name = torch.cuda.get_device_name()
+    try:
+        return (flops.peak_tflops(name, AMP) / flops.PEAK_TFLOPS["T4"]["fp16"],
+                flops.peak_bandwidth_gb_s(name) / flops.PEAK_BANDWIDTH_GB_S["T4"])
+    except ValueError:  # a GPU the tables do not know
+        return None
+
+
 if recipe_run is not None:
+    head = f"The planner's cheapest change that a T4 can run, *{recipe_desc}* (predicted time cost {recipe_cost:.2f}x), "
     if recipe_run["status"] == "ok":
         m_gib = recipe_run["peak_allocated_bytes"] / GIB
         err = (recipe_plan.peak_gib / m_gib - 1) * 100
         fits_txt = (f"fits, with {T4_BUDGET_GIB - m_gib:.2f} GiB to spare" if m_gib <= T4_BUDGET_GIB else "does not fit")
+        ratio = t4_fraction()
+        speed_txt = (f" This GPU has {ratio[0]:.0f} times a T4's dense 16-bit FLOP/s and {ratio[1]:.0f} times its memory "
+                     f"bandwidth, so expect the T4 to be about that many times slower; the memory is what this emulation "
+                     f"checks." if ratio else "")
         display(Markdown(
-            f"The planner's cheapest change, *{recipe_desc}* (predicted time cost {recipe_cost:.2f}x), predicted a peak "
-            f"of {recipe_plan.peak_gib:.2f} GiB in the {recipe_plan.peak_phase}; the run measured {m_gib:.2f} GiB in the "
-            f"{recipe_run['peak_phase']} ({err:+.1f}%) under a cap of {T4_BUDGET_GIB:.2f} GiB, so it {fits_txt}. It trains "
-            f"at {tokens_per_step / recipe_run['step_s']:,.0f} tokens/s on this GPU. A T4 has about a fifteenth of an "
-            f"H100's dense 16-bit FLOP/s and a tenth of its memory bandwidth, so expect roughly a tenth of that or less "
-            f"there; the memory is what this emulation checks."))
+            head + f"predicted a peak of {recipe_plan.peak_gib:.2f} GiB in the {recipe_plan.peak_phase}; the run measured "
+            f"{m_gib:.2f} GiB in the {recipe_run['peak_phase']} ({err:+.1f}%) under a cap of {T4_BUDGET_GIB:.2f} GiB, so it "
+            f"{fits_txt}. It trains at {tokens_per_step / recipe_run['step_s']:,.0f} tokens/s on this GPU." + speed_txt))
+    elif recipe_run["status"] == "oom":
+        display(Markdown(head + f"ran out of memory under the T4 cap of {T4_BUDGET_GIB:.2f} GiB: the plan was wrong for "
+                         f"this setup, and section 10.2's error table says by how much its predictions can miss."))
     else:
-        display(Markdown(f"The planner's cheapest change, *{recipe_desc}*, did not run under the T4 cap "
-                         f"(status: {recipe_run['status']}): the plan was wrong for this setup, and section 10.2's error "
-                         f"table says by how much its predictions can miss."))
+        display(Markdown(head + f"did not run here ({recipe_run['status']}), so this run cannot check it."))
 
 # %% [markdown]
 # ## 10.5 A decision checklist
