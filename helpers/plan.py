@@ -802,6 +802,11 @@ def predict(s: Setup, *, backend: str = "cuda") -> Plan:
     A_layer = layer_activation_bytes(s, backend=backend)
     A_other = other_activation_bytes(s, backend=backend)
     ck = _checkpointed_layers(s, L)
+    if any(ck) and shape.family == "gpt_neox" and s.attention == "sdpa":
+        # Checkpointing turns the KV cache off (use_cache=False): the value tensor SDPA saves is then a
+        # view of the fused QKV output, which keeps all three projections alive (+2 of them), instead of
+        # the cache's copy. Counted with SavedTensorMeter on CPU: +8 (fp32) / +4 (16-bit) bytes per s*b*h.
+        A_layer += (8 if pc == "fp32" else 4) * s.batch * s.seq * shape.hidden
     e_res = 4 if (pc in ("fp32", "amp") and s.precision not in ("bf16", "fp16")) or s.qlora else 2
     inp = e_res * s.batch * s.seq * shape.hidden  # a checkpointed block keeps only its input
     stored = [inp if c else A_layer for c in ck]
@@ -812,9 +817,6 @@ def predict(s: Setup, *, backend: str = "cuda") -> Plan:
 
     # gradients per block and outside the blocks (head first, embeddings last)
     tr = _trainable(s, shape)
-    g_per_layer = (sum(n * e for n, _, e in tr) if s.lora_rank else
-                   sum(p.numel for p in shape.params if p.kind in ("linear",) or ".layers." in p.name
-                       or ".layer." in p.name) * _weight_dtype_bytes(s)) // (1 if s.lora_rank else 1)
     if s.lora_rank:
         g_per_layer = G_full // L
         g_head = 0
@@ -841,9 +843,17 @@ def predict(s: Setup, *, backend: str = "cuda") -> Plan:
     # backward: start (loss gradients) then block by block from the top
     best: dict[str, int] = {}
     saved_copies_total = sum(stored_copies) + C_head
-    start = {"weights": W + gathered, "gradients": max(G_acc, g_head), "optimizer_states": Ost,
+    start = {"weights": W + gathered, "gradients": G_acc, "optimizer_states": Ost,
              "activations": sum(stored) + A_other, "autocast_copies": saved_copies_total, "temporaries": loss_bwd}
     best = start
+    if loss_bwd:  # the LM head's backward: the log-softmax is gone, the logits' gradient and the head's arrive
+        tv = s.batch * s.seq * shape.vocab
+        head_tmp = (4 if pc == "fp32" else 2) * tv + (2 * shape.head_linear_numel() if C_head and not s.lora_rank else 0)
+        head = {"weights": W + gathered, "gradients": max(G_acc, g_head), "optimizer_states": Ost,
+                "activations": sum(stored) + A_other - 4 * tv, "autocast_copies": saved_copies_total,
+                "temporaries": head_tmp}
+        if sum(head.values()) > sum(best.values()):
+            best = head
     for i in reversed(range(L)):
         done = g_head + (L - i) * g_per_layer
         below = sum(stored[:i])
@@ -1177,7 +1187,7 @@ def suggest(s: Setup, budget_gib: float, *, max_changes: int = 2, half: str = "b
                 p = predict(cand)
             except (ValueError, KeyError):
                 continue
-            key = cand
+            key = tuple(getattr(cand, f.name) for f in dataclasses.fields(cand) if f.name != "model")
             if key in seen or not p.fits(budget_gib):
                 continue
             seen.add(key)

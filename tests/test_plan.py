@@ -224,3 +224,11 @@ def test_cli_reads_a_config_json(tmp_path, capsys):
     assert code == 0 and "fits" in out and "qlora r16" in out
     s = plan.Setup(model=str(tmp_path / "config.json"), lora_rank=16, lora_targets=("q_proj", "v_proj"), qlora=True)
     assert plan.shape(s).family == "llama" and plan.shape(s).n_params == plan.shape(plan.Setup("llama-2-7b")).n_params
+
+
+def test_a_config_object_plans_like_its_registry_name():
+    cfg = models.config("polyglot-ko-1.3b", "full")
+    by_obj = plan.Setup(model=cfg, batch=16, seq=512)
+    by_name = plan.Setup(model="gpt-neox-1.3b", batch=16, seq=512)
+    assert plan.predict(by_obj).peak_bytes == plan.predict(by_name).peak_bytes
+    assert len(plan.suggest(by_obj, 14.0)) == len(plan.suggest(by_name, 14.0)) > 0
