@@ -589,6 +589,13 @@ cleanup.collect()
 bert_table
 
 # %% [markdown]
+# Rung 5 checks the shapes of the matrix products against chapter 5's rule (multiples of 8, better 64). In
+# bert-large the only dimension that is not a multiple of 8 is the vocabulary, 30,522; but a classification
+# model uses the vocabulary only in the embedding lookup, which is not a matrix product, so padding it would
+# buy nothing. Its hidden size (1,024), MLP width (4,096) and head size (64) are multiples of 64 already, and
+# so are the 1.3B model's (2,048, 8,192, 128), vocabulary (30,080) included: this rung changes nothing here.
+
+# %% [markdown]
 # ### The 1.3B GPT-NeoX, 2048 tokens
 #
 # The same ladder on the LLM book's model at its full context. Its vanilla rung runs at batch 1, which
@@ -885,9 +892,11 @@ if recipe_run is not None:
 #    one with the lowest time cost that keeps full fine-tuning. What does it give up?
 #    <details><summary>Hint</summary>Print every suggestion with its relative time cost; checkpointing costs
 #    about a third more compute (chapter 4), 8-bit states cost little time (chapter 5).</details>
-#    <details><summary>Answer</summary>The cheapest full fine-tuning plans combine 8-bit optimizer states
-#    with a smaller micro-batch and accumulation; checkpointing comes in only when those are not enough.
-#    LoRA and QLoRA fit easily but train fewer parameters.</details>
+#    <details><summary>Answer</summary>Every full fine-tuning plan that fits needs 8-bit (or factored)
+#    optimizer states *and* one more saving: micro-batches with accumulation, or checkpointing, which costs
+#    the most time. Paged states allow the micro-batch plan, but the emulated cap cannot check them (section
+#    10.4). LoRA fits with no other change but trains a small fraction of the parameters; a bf16 base is not
+#    an option on a T4.</details>
 # 3. **One more rung.** Add CUDA graphs (chapter 8, section 8.3) to the bert-large ladder at batch 4. Does it
 #    pay at the knee's batch, too?
 #    <details><summary>Hint</summary>Capture the whole step with <code>torch.cuda.graph</code> and a
