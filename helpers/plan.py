@@ -38,9 +38,6 @@ How sure each term is (what a GPU run should check first):
   the rest being the chapter's 65 MiB baseline), bert-large's saved activations (3.12 GiB at 4 x 512),
   the 1.3B model's in fp32, bf16 autocast, LoRA and QLoRA (chapter 6), and the fp16 batch sweep of
   chapter 4 (17.05 and 26.34 GiB measured above a 0.32 GiB baseline, 16.84 and 26.12 predicted);
-- the phase model (forward, the backward walked block by block with its loss and head moments, the
-  optimizer step, accumulation, checkpointing every k blocks) against torch's ``MemTracker`` on CPU in
-  fp32: GPT-NeoX within 0.5%, BERT within 3% (``tests/test_plan.py``);
 - reasoned, not yet seen on a GPU: BERT's eager attention under autocast (7 bytes per score: CUDA's
   autocast runs softmax in fp32), GPT-NeoX with SDPA and 16-bit weights (the CPU count, 16sbh), Llama
   (CPU counts only), the checkpointing schedule's every-k variant, Adafactor's step buffers;
@@ -287,8 +284,6 @@ class Shape:
     linear_names: frozenset[str]
     layer_linears: tuple[tuple[str, int, int], ...]  # (short name, in_features, out_features) of one block
     tied_head: bool
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
 
     @property
     def n_params(self) -> int:
@@ -367,9 +362,6 @@ def _shape_cached(key: str, head: str | None, cfg_json: str) -> Shape:
         intermediate=cfg.intermediate_size, heads=cfg.num_attention_heads, vocab=cfg.vocab_size,
         max_positions=getattr(cfg, "max_position_embeddings", 10**9), params=tuple(params),
         linear_names=frozenset(names), layer_linears=tuple(first), tied_head=tied,
-        hidden_dropout=float(getattr(cfg, "hidden_dropout_prob", getattr(cfg, "hidden_dropout", 0.0)) or 0.0),
-        attention_dropout=float(getattr(cfg, "attention_probs_dropout_prob", getattr(cfg, "attention_dropout", 0.0))
-                                or 0.0),
     )
 
 
@@ -419,23 +411,17 @@ _BERT_MASKS = (2, 0, 1, 0, 0)
 _CPU_MASK_BYTES = {"fp32": 4, "amp": 2, "half": 2}
 
 
-def _act_coef(family: str, pclass: str, attention: str, backend: str,
-              hidden_dropout: float = 0.1, attention_dropout: float = 0.1) -> tuple[float, ...]:
+def _act_coef(family: str, pclass: str, attention: str, backend: str) -> tuple[float, ...]:
     c = list(ACT_COEF_CPU[(family, pclass, attention)])
-    if family == "bert":
-        m = _CPU_MASK_BYTES[pclass]
-        if backend == "cuda":  # CUDA dropout masks are bool (1 byte), CPU's are the input's dtype
-            c = [ci - k * (m - 1) if ci else 0 for ci, k in zip(c, _BERT_MASKS, strict=True)]
-            m = 1
-            if pclass == "amp" and attention == "eager":
-                # CUDA autocast runs softmax in fp32: fp32 probabilities (4) + mask (1) + bf16 copy for A.V (2)
-                c[2] = 7
-        if hidden_dropout == 0:  # no masks after the two output projections
-            c[0] -= 2 * m
-        if attention_dropout == 0 and attention == "eager":  # the probabilities alone (+ autocast's copy)
-            c[2] = {"fp32": 4, "half": 2, "amp": 2 if backend == "cpu" else 6}[pclass]
+    if backend == "cpu":
         return tuple(c)
-    if backend == "cuda" and (family, pclass, attention) == ("gpt_neox", "fp32", "sdpa"):
+    if family == "bert":  # CUDA dropout masks are bool (1 byte), CPU's are the input's dtype
+        m = _CPU_MASK_BYTES[pclass]
+        c = [ci - k * (m - 1) if ci else 0 for ci, k in zip(c, _BERT_MASKS, strict=True)]
+        if pclass == "amp" and attention == "eager":
+            # CUDA autocast runs softmax in fp32: fp32 probabilities (4) + mask (1) + bf16 copy for A.V (2)
+            c[2] = 7
+    if (family, pclass, attention) == ("gpt_neox", "fp32", "sdpa"):
         c[0] = 28  # chapter 6, section 6.3: the 1.3B model in fp32 saves 2.94 GiB at 4 x 256 (28sbh, not CPU's 32)
     return tuple(c)
 
@@ -498,7 +484,7 @@ def layer_activation_bytes(s: Setup, *, backend: str = "cuda") -> int:
     pc = _pclass(s)
     b, q, h, wide, a = s.batch, s.seq, shape.hidden, shape.intermediate, shape.heads
     feats = (q * b * h, q * b * wide, a * q * q * b, a * q * b, q * b)
-    c = _act_coef(shape.family, pc, s.attention, backend, shape.hidden_dropout, shape.attention_dropout)
+    c = _act_coef(shape.family, pc, s.attention, backend)
     total = sum(ci * f for ci, f in zip(c, feats, strict=True))
     if s.lora_rank:
         total += _lora_activation_delta(s, shape, pc, backend) * q * b
@@ -587,8 +573,6 @@ def other_activation_bytes(s: Setup, *, backend: str = "cuda") -> int:
     k = _OTHER_SBH.get((shape.family, pc), 8)
     if backend == "cpu":
         k = _OTHER_SBH_CPU.get((shape.family, pc), k)
-    if shape.family == "bert" and shape.hidden_dropout == 0:  # no embedding dropout mask
-        k -= _CPU_MASK_BYTES[pc] if backend == "cpu" else 1
     if s.lora_rank and shape.head == "causal-lm" and shape.family == "gpt_neox":
         k = 4  # the frozen LM head no longer saves its input; the final LayerNorm's fp32 input remains
     total = k * tok * shape.hidden
@@ -815,11 +799,6 @@ def predict(s: Setup, *, backend: str = "cuda") -> Plan:
     C_layer = (C_all - 2 * shape.head_linear_numel() - 2 * lora_trainable_params(s)) // L if C_all else 0
     C_layer = max(C_layer, 0) + (2 * lora_trainable_params(s) // L if C_all else 0)
     C_head = C_all - C_layer * L
-    if s.zero_stage >= 3 and s.world_size > 1 and C_all:
-        # ZeRO-3 / FSDP gather one block at a time and free it after use: the 16-bit copies are made from
-        # the gathered weights and do not outlive the block (formula; chapter 7 measured the shards only)
-        C_all = C_layer + C_head
-        notes.append("ZeRO-3: autocast copies counted for one gathered block at a time")
     A_layer = layer_activation_bytes(s, backend=backend)
     A_other = other_activation_bytes(s, backend=backend)
     ck = _checkpointed_layers(s, L)
@@ -875,12 +854,8 @@ def predict(s: Setup, *, backend: str = "cuda") -> Plan:
                 "temporaries": head_tmp}
         if sum(head.values()) > sum(best.values()):
             best = head
-    g_largest = int(max((i * o for _, i, o in shape.layer_linears), default=0) * _weight_dtype_bytes(s) * fg)
-    if s.lora_rank:
-        g_largest = 0
     for i in reversed(range(L)):
-        # the blocks above are done; this block's largest weight gradient is being written
-        done = g_head + (L - 1 - i) * g_per_layer + min(g_largest, g_per_layer)
+        done = g_head + (L - i) * g_per_layer
         below = sum(stored[:i])
         here = A_layer
         copies = sum(stored_copies[:i]) + C_layer

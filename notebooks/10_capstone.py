@@ -1,0 +1,933 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 10. Capstone: will it fit, and how fast can it go?
+#
+# Every reader of this book eventually asks two questions about their own run: *will my training fit on
+# this GPU*, and *how fast can it go*? The popular tools answer the first one badly. The "four times the
+# model size" rule and `accelerate estimate-memory` leave the activations out, DeepSpeed's estimator counts
+# only the model states, and the well-known transformer-math calculators add an unexplained overhead. None
+# of them, as far as we know, publishes its error against measurements. This chapter puts the book's nine chapters into one
+# tool, a **memory planner** that predicts the peak of a training step term by term, and then does what
+# the others do not: it measures every prediction on the GPU and publishes the error. The second half
+# climbs a **speed ladder**, one measured rung at a time, from the Hugging Face guide's plain setup to
+# the fastest recipe the book can build, on bert-large and on the 1.3B GPT-NeoX model, and ends with a
+# recipe for fine-tuning the 1.3B model on Colab's free T4.
+#
+# **What you will learn**
+#
+# - how to predict the peak memory of a training step before running it, which phase holds it, and which
+#   change makes it fit (`helpers.plan`, in Python and from the command line);
+# - how far such a prediction is from the allocator's measured peak, over more than thirty setups, and
+#   how far four popular estimators are;
+# - how much each speed technique of the book buys, stacked rung by rung, in samples/s, tokens/s, model
+#   FLOP utilisation (MFU), memory and GPU-busy time, and where the time goes once the ladder ends;
+# - a checklist that sends an out-of-memory error or a slow step to the chapter that fixes it.
+#
+# **Prerequisites:** chapters 1 to 8; chapter 9 for the fast-path techniques. A CUDA GPU for the
+# measurements; on a CPU the notebook runs the planner (pure arithmetic) and tiny versions of the ladder,
+# and skips the GPU-only steps, saying so.
+
+# %%
+import sys
+
+if "google.colab" in sys.modules:  # Colab: install the book's helpers; torch is already there
+    # %pip install -q "gpu-efficient-training @ git+https://github.com/gpu-efficient-training/book"
+
+from helpers import env
+
+env.quiet()  # warnings without file paths, no progress bars: outputs that read the same everywhere
+
+import logging
+import re
+import time
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import torch
+from IPython.display import Markdown, display
+from torch.profiler import record_function
+
+from helpers import batching, cleanup, data, flops, measure, models, plan, plots, profiles, timing
+from helpers.glue import glue
+from helpers.measure import GIB, MIB
+
+plots.use_style()
+pd.options.display.float_format = "{:,.2f}".format
+prof = profiles.get()
+dev = prof.device
+env.report(prof)
+
+# %% [markdown]
+# Before anything touches the GPU we read NVML's *used* memory, so that the CUDA context can be measured
+# for the T4 emulation of section 10.4 (chapter 1, section 1.5). Then one matrix product loads cuBLAS, and
+# we note what PyTorch has allocated: the last cell checks that the chapter gives everything back. The
+# chapter's full run is meant to take a few minutes on an H100; a clock started here lets the optional
+# rungs (`torch.compile`) skip themselves, saying so, if the machine is slower than that.
+
+# %%
+chapter_start = time.perf_counter()
+CHAPTER_BUDGET_S = prof.pick(tiny=600.0, full=340.0)
+
+
+def one_line(err):
+    """An exception as one short line, without file paths (for a table cell or a sentence)."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return re.sub(r"(/[\w.\-]+)+", "<path>", f"{type(err).__name__}: {text}")[:160]
+
+
+def seconds_left():
+    """Seconds left of the chapter's time budget (optional experiments check it before they start)."""
+    return CHAPTER_BUDGET_S - (time.perf_counter() - chapter_start)
+
+
+cap = profiles.capability()
+AMP = profiles.amp_dtype()
+AMP_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16"}[AMP]
+t4 = None
+if profiles.cuda_or_skip("the T4 budget and the allocator's baseline need a GPU"):
+    nvml_before = measure.nvml_used_mib()
+    torch.ones(256, 256, device="cuda") @ torch.ones(256, 256, device="cuda")
+    t4 = measure.t4_budget(nvml_before)
+    print(f"{cap.name}: compute capability {cap.major}.{cap.minor}; autocast uses {AMP_NAME}")
+    print(f"emulated T4: {t4.describe()}")
+baseline_mib = torch.cuda.memory_allocated() / MIB if prof.on_gpu else 0.0
+T4_BUDGET_GIB = t4.budget_gib if t4 else plan.GPU_MEMORY_GIB["T4"] - plan.CONTEXT_RESERVE_GIB  # the CLI's T4 budget
+
+# %% [markdown]
+# ## 10.1 The planner: predict before you run
+#
+# `helpers.plan` turns a *setup* (a model from the book's registry or any Hugging Face `config.json`, the
+# batch and sequence length, precision, optimizer, accumulation, checkpointing, attention kernel, LoRA or
+# QLoRA, ZeRO stage and world size) into a predicted **peak allocated memory** of one training step. Each
+# term is one the book measured: weights, gradients and optimizer states at their bytes per parameter
+# (chapters 1, 2 and 5), the activations the backward pass keeps (chapter 1's formula, minus what
+# checkpointing recomputes, chapter 4), autocast's 16-bit copies of the weights (chapter 5), the
+# temporaries of the loss, the optimizer step and checkpointing's recomputation (chapters 1 and 4), adapters
+# and 4-bit weights (chapter 6) and the ZeRO shards (chapter 7). It also says in which phase the peak falls: the
+# forward pass, the backward pass or the optimizer step. Here it is for the 1.3B model, batch 4, 256
+# tokens, bf16 autocast and AdamW:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+# (arithmetic only: the same on every machine, so CI compares it with the GPU run's; printed as text, which
+# unlike pandas' HTML does not change between versions)
+example = plan.Setup(model="gpt-neox-1.3b", batch=4, seq=256, precision="bf16-autocast", optimizer="adamw")
+example_plan = plan.predict(example)
+print(example_plan.table().to_string(float_format="{:,.2f}".format))
+
+# %% [markdown]
+# The table lists what is alive at the peak (*GiB*) and the full size of each term over the step (*total*),
+# with the chapter that measured it. `explain()` says the same per phase:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+print(example_plan.explain())
+
+# %% [markdown]
+# The same from a terminal: `python -m helpers.plan --model gpt-neox-1.3b --batch 4 --seq 256 --gpu T4`
+# prints the breakdown, the verdict for the GPU's budget and, when the setup does not fit, the cheapest
+# changes that make it fit, ranked by their predicted cost in time. In a notebook the same command runs
+# through the module's `main`:
+
+# %%
+# NBVAL_CHECK_OUTPUT
+exit_code = plan.main(["--model", "gpt-neox-1.3b", "--batch", "4", "--seq", "256", "--gpu", "T4"])
+
+# %% [markdown]
+# ## 10.2 The planner against measurements
+#
+# A prediction is worth what its error is. For every setup in `plan.VALIDATION_SETUPS` (both model families;
+# fp32, bf16 and fp16; AdamW, fused AdamW, SGD, Adafactor and 8-bit AdamW; accumulation; checkpointing;
+# eager and SDPA attention; LoRA and QLoRA) the notebook runs a few real training steps and reads the
+# allocator's peak (`plan.measure`, which frees everything before it returns), and sets the planner's
+# prediction beside it. (ZeRO is planned with chapter 7's formula and not measured here: it needs several
+# processes.) Four other estimators predict the same rows:
+#
+# - **4 × model size**: the Hugging Face model-memory calculator's rule of thumb for training with Adam
+#   ([Hugging Face Accelerate team (2023)](../book/references.md)): four times the weights' bytes in the training dtype;
+# - **accelerate estimate-memory**: the same tool's command line, which counts weights, and for training
+#   gradients and Adam's states, and nothing else;
+# - **ZeRO model states**: the ZeRO paper's 16 bytes per parameter for mixed-precision Adam (2 + 2 + 12),
+#   divided by the world size per stage ([Rajbhandari et al. (2020)](../book/references.md));
+# - **transformer math**: model states plus the activation formula of [Korthikanti et al. (2022)](../book/references.md), as in
+#   EleutherAI's *Transformer Math 101* ([Anthony et al. (2023)](../book/references.md)).
+#
+# The error of a row is (predicted − measured) / measured: negative means the estimator promises memory the
+# run does not have.
+
+# %%
+validation_setups = plan.VALIDATION_SETUPS
+if not prof.on_gpu:
+    print("skipped on CPU: the allocator's peak needs a GPU; the table holds the predictions only")
+rows = {}
+for i, setup in enumerate(validation_setups, 1):
+    predicted = plan.predict(setup)
+    row = {"setup": setup.label(), "predicted peak (GiB)": predicted.peak_gib, "predicted phase": predicted.peak_phase}
+    if not prof.on_gpu:
+        measured = {"status": "not measured (CPU)"}
+    elif seconds_left() < 150:  # leave the time the speed ladder needs
+        measured = {"status": "not measured (time budget)"}
+    else:
+        try:
+            measured = plan.measure(setup, device=dev, steps=2)  # builds, runs 2 steps, frees everything
+        except Exception as err:  # one failed setup must not end the chapter: the row says what happened
+            measured = {"status": f"failed: {one_line(err)}"}
+        cleanup.collect()
+    ok_run = measured["status"] == "ok"
+    row["measured peak (GiB)"] = measured["peak_allocated_bytes"] / GIB if ok_run else np.nan
+    row["measured phase"] = measured["peak_phase"] if ok_run else measured["status"]
+    for name, bytes_ in plan.baselines(setup).items():
+        row[f"{name} (GiB)"] = bytes_ / GIB
+    rows[i] = row
+validation = pd.DataFrame(rows).T.rename_axis("#")
+gib_cols = [c for c in validation.columns if c.endswith("(GiB)")]
+validation[gib_cols] = validation[gib_cols].astype(float)
+validation["planner error (%)"] = (validation["predicted peak (GiB)"] / validation["measured peak (GiB)"] - 1) * 100
+validation[["setup", "predicted peak (GiB)", "measured peak (GiB)", "planner error (%)", "predicted phase", "measured phase"]]
+
+# %%
+BASELINES = [c[: -len(" (GiB)")] for c in validation.columns
+             if c.endswith("(GiB)") and c not in ("predicted peak (GiB)", "measured peak (GiB)")]
+errors = pd.DataFrame({"the planner": validation["planner error (%)"]})
+for name in BASELINES:
+    errors[name] = (validation[f"{name} (GiB)"] / validation["measured peak (GiB)"] - 1) * 100
+measured_ok = validation["measured peak (GiB)"].notna()
+error_summary = pd.DataFrame({
+    "median |error| (%)": errors[measured_ok].abs().median(),
+    "max |error| (%)": errors[measured_ok].abs().max(),
+    "rows under-predicted": (errors[measured_ok] < 0).sum(),
+    "rows measured": measured_ok.sum(),
+}).rename_axis("estimator")
+planner_median_err_pct = float(error_summary.loc["the planner", "median |error| (%)"])
+planner_max_err_pct = float(error_summary.loc["the planner", "max |error| (%)"])
+glue("planner_median_err_pct", planner_median_err_pct)
+glue("planner_max_err_pct", planner_max_err_pct)
+error_summary
+
+# %%
+fig, ax = plt.subplots(figsize=(10, 6.5))
+ok = validation[measured_ok]
+if len(ok):
+    plotted = ok[[c for c in ok.columns if c.endswith("(GiB)")]].to_numpy(float)
+    lo, hi = np.nanmin(plotted[plotted > 0]) / 1.3, np.nanmax(plotted) * 1.3
+    ax.fill_between([lo, hi], [lo * 0.9, hi * 0.9], [lo * 1.1, hi * 1.1], color="0.9", label="±10%")
+    ax.plot([lo, hi], [lo, hi], "k-", lw=1, label="predicted = measured")
+    for name, marker in zip(BASELINES, ["s", "^", "v", "D"]):
+        ax.scatter(ok["measured peak (GiB)"], ok[f"{name} (GiB)"], marker=marker, s=22, alpha=0.6, label=name)
+    ax.scatter(ok["measured peak (GiB)"], ok["predicted peak (GiB)"], marker="o", s=40, color="k",
+               label="the planner", zorder=5)
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), aspect="equal")
+    for axis in (ax.xaxis, ax.yaxis):  # plain numbers on the log axes: 1, 2, 5, 10, 20, ...
+        axis.set_major_locator(plt.matplotlib.ticker.LogLocator(subs=(1, 2, 5)))
+        axis.set_major_formatter(plt.matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        axis.set_minor_formatter(plt.matplotlib.ticker.NullFormatter())
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8)
+    others = error_summary.drop("the planner")["median |error| (%)"]
+    ax.set_title(f"{len(ok)} setups: the planner is off by a median of {planner_median_err_pct:.1f}%, "
+                 f"the other estimators by {others.min():.0f}% to {others.max():.0f}%", fontsize=10)
+else:
+    ax.text(0.5, 0.5, "measured peaks need a GPU", ha="center", va="center", transform=ax.transAxes)
+ax.set_xlabel("measured peak allocated (GiB)")
+ax.set_ylabel("predicted peak (GiB)")
+fig.tight_layout()
+
+# %% tags=["remove-input"]
+WHAT_IT_COUNTS = {
+    "4x": "it counts four times the weights and nothing that grows with the batch",
+    "accelerate": "it counts the model and Adam's states only, nothing that grows with the batch",
+    "ZeRO": "it counts the model states only (16 bytes per parameter), nothing that grows with the batch",
+    "transformer": "it adds Korthikanti's activations to the model states, but knows no adapters, checkpointing, "
+                   "optimizer kinds or temporaries",
+}
+if measured_ok.sum() >= 3:
+    sm = error_summary
+    worst = errors.loc[measured_ok, "the planner"].abs().idxmax()
+    wrow = validation.loc[worst]
+    goal = ("meets the goal this chapter set itself (median at most 5%, maximum at most 10%)"
+            if planner_median_err_pct <= 5 and planner_max_err_pct <= 10 else
+            "misses the goal this chapter set itself (median at most 5%, maximum at most 10%)")
+    lines = [
+        f"Over {int(sm.loc['the planner', 'rows measured'])} measured setups the planner is off by a median of "
+        f"{planner_median_err_pct:.1f}% and at most {planner_max_err_pct:.1f}%, which {goal}. "
+        f"Its worst row is #{worst}, *{wrow['setup']}*: predicted {wrow['predicted peak (GiB)']:.2f} GiB, measured "
+        f"{wrow['measured peak (GiB)']:.2f} GiB.\n"
+    ]
+    for name in BASELINES:
+        median_signed = errors.loc[measured_ok, name].median()
+        counts = next(v for k, v in WHAT_IT_COUNTS.items() if name.startswith(k))
+        lines.append(
+            f"- **{name}**: median |error| {sm.loc[name, 'median |error| (%)']:.0f}%, max {sm.loc[name, 'max |error| (%)']:.0f}%; "
+            f"it predicts less than the measured peak in {int(sm.loc[name, 'rows under-predicted'])} of "
+            f"{int(sm.loc[name, 'rows measured'])} rows (median signed error {median_signed:+.0f}%): {counts}.")
+    phase_match = (ok["predicted phase"] == ok["measured phase"]).mean()
+    lines.append(f"\nThe planner names the phase that holds the peak correctly in {phase_match:.0%} of the rows.")
+    display(Markdown("\n".join(lines)))
+else:
+    print("skipped on CPU: the errors need measured peaks" if not prof.on_gpu
+          else "too few setups were measured for an error summary")
+
+# %% [markdown]
+# **Which term is off?** Each row switches some terms on (eager attention's s × s matrices, checkpointing's
+# recomputed layer, LoRA's adapters, QLoRA's 4-bit weights, an optimizer's states). Grouping the planner's
+# signed error by these features points at the term behind an error: a feature whose rows are all off in
+# the same direction carries it.
+
+# %%
+def features(setup):
+    family = "BERT" if "bert" in setup.label() else "GPT-NeoX"
+    return {
+        "family": family,
+        "precision": setup.precision,
+        "attention": setup.attention,
+        "checkpointing": "none" if setup.checkpointing in ("none", None) else "on",
+        "adapters": "QLoRA" if setup.qlora else ("LoRA" if setup.lora_rank else "none"),
+        "optimizer": setup.optimizer,
+        "accumulation": "yes" if setup.grad_accum > 1 else "no",
+    }
+
+
+feat = pd.DataFrame([features(s_) for s_ in validation_setups], index=validation.index)
+feat["error"] = validation["planner error (%)"].astype(float)
+by_feature = pd.concat(
+    {col: feat[measured_ok].groupby(col)["error"].agg(rows="size", mean_error_pct="mean",
+                                                      max_abs_error_pct=lambda e: e.abs().max())
+     for col in feat.columns.drop("error")}, names=["feature", "value"])
+by_feature.rename(columns={"mean_error_pct": "mean error (%)", "max_abs_error_pct": "max |error| (%)"})
+
+# %% tags=["remove-input"]
+TERM_OF = {
+    ("attention", "eager"): "the eager attention's stored s × s matrices",
+    ("checkpointing", "on"): "checkpointing (the kept layer inputs and the one recomputed layer)",
+    ("adapters", "QLoRA"): "the 4-bit weights and their dequantized copies",
+    ("adapters", "LoRA"): "the adapters' extra activations",
+    ("optimizer", "adamw8bit"): "the 8-bit optimizer states", ("optimizer", "paged-adamw8bit"): "the paged 8-bit states",
+    ("optimizer", "adafactor"): "Adafactor's factored states and buffers", ("optimizer", "adamw"): "AdamW's multi-tensor temporaries",
+    ("precision", "fp32"): "the fp32 activations", ("precision", "bf16-autocast"): "autocast's 16-bit weight copies",
+    ("precision", "fp16-autocast"): "autocast's 16-bit weight copies", ("accumulation", "yes"): "the gradients kept across micro-batches",
+}
+if measured_ok.sum() >= 3:
+    groups = by_feature[by_feature["rows"] >= 2].copy()
+    groups["abs_mean"] = groups["mean_error_pct"].abs()
+    top = groups.sort_values("abs_mean", ascending=False).head(2)
+    overall = feat.loc[measured_ok, "error"].mean()
+    parts = [f"The planner's mean signed error over all measured rows is {overall:+.1f}%."]
+    for (col, val), r in top.iterrows():
+        term = TERM_OF.get((col, val), f"the {col} {val}")
+        parts.append(
+            f"The rows with {col} = *{val}* are off by {r['mean_error_pct']:+.1f}% on average ({int(r['rows'])} rows, at "
+            f"most {r['max_abs_error_pct']:.1f}%)"
+            + (f": {'an over-' if r['mean_error_pct'] > 0 else 'an under-'}estimate of {term} is the first suspect."
+               if abs(r["mean_error_pct"]) > max(2.0, 2 * abs(overall)) else
+               ", no more than the rest: no single term stands out.")
+        )
+    display(Markdown(" ".join(parts)))
+else:
+    print("skipped on CPU: the errors need measured peaks")
+
+# %% [markdown]
+# For the three rows with the largest errors, the predicted breakdown (GiB) beside the measured peak:
+
+# %%
+worst_rows = errors.loc[measured_ok, "the planner"].abs().sort_values(ascending=False).head(3).index
+term_table = pd.DataFrame({
+    f"#{i}": {**{k: v / GIB for k, v in plan.predict(validation_setups[i - 1]).components.items()},
+              "predicted peak": validation.loc[i, "predicted peak (GiB)"],
+              "measured peak": validation.loc[i, "measured peak (GiB)"]}
+    for i in worst_rows
+}).rename_axis("GiB")
+term_table if len(worst_rows) else print("skipped on CPU: no measured rows")
+
+# %% [markdown]
+# ## 10.3 The speed ladder
+#
+# Now the second question: how fast? We start from the setup of the Hugging Face guide *Model training
+# anatomy* ([Hugging Face (2024)](../book/references.md)), written when `Trainer`'s defaults were these: fp32
+# weights and arithmetic, eager attention, batch 4, and `torch.optim.AdamW` stepping one parameter at a time
+# (here `foreach=False`, the slowest of PyTorch's three AdamW implementations). Recent `Trainer` versions
+# default to SDPA and, with torch 2.8 or newer, to fused AdamW: two rungs of this ladder. We add the book's
+# techniques **one at a time, keeping each**, on the same model in the same run:
+#
+# 1. SDPA attention (chapter 1): one fused attention kernel, no stored s × s matrix;
+# 2. 16-bit autocast (chapter 5): matrix products on the tensor cores;
+# 3. fused AdamW (chapters 5 and 8): the optimizer step in a few kernels;
+# 4. the batch at the throughput *knee* (chapter 3): the smallest of three batch sizes whose throughput is
+#    within 5% of the best one that fits;
+# 5. padding to multiples of 8 (chapter 5), where a shape needs it;
+# 6. `torch.compile` (chapter 9), kept only if it is faster beyond the noise.
+#
+# Each rung is timed with `timing.time_it` (3 warm-up steps, 10 timed ones, the spread, and profiled
+# steps for the GPU-busy fraction), with the batch already on the GPU.
+#
+# **MFU, the one convention of the book.** Model FLOPs per token are 6 × (the parameters of every matrix
+# product, the output projection included, embedding lookups excluded) + 12 · L · h · s for attention
+# (`flops.flops_per_token`; [Chowdhery et al. (2022)](../book/references.md), appendix B), with no credit for recomputation.
+# MFU is the achieved model FLOP/s over the GPU's datasheet dense bf16 peak (989 TFLOP/s on an H100 SXM,
+# `flops.PEAK_TFLOPS`); we also give it against the **measured matmul ceiling**, the rate of one large bf16
+# matrix product on this GPU, which is what the tensor cores really deliver. Peak memory is the allocator's
+# peak over the timed steps.
+
+# %%
+n_mm = prof.pick(tiny=512, full=8192)
+mm_dtype = AMP if prof.on_gpu else torch.float32
+gen = torch.Generator(device=dev).manual_seed(0)
+a = torch.randn(n_mm, n_mm, device=dev, dtype=mm_dtype, generator=gen)
+b = torch.randn(n_mm, n_mm, device=dev, dtype=mm_dtype, generator=gen)
+mm = timing.time_it(lambda: a @ b, device=dev, warmup=3, repeat=10)
+ceiling_tflops = 2 * n_mm**3 / (mm.kernel_s if mm.kernel_s else mm.wall.median) / 1e12
+try:
+    peak_tflops = flops.peak_tflops(torch.cuda.get_device_name(), torch.bfloat16) if prof.on_gpu else None
+except ValueError:  # a GPU the table does not know
+    peak_tflops = None
+cleanup.free(globals(), "a", "b", "gen")
+pd.Series({
+    f"measured matmul ceiling, {n_mm} x {n_mm} (TFLOP/s)": ceiling_tflops,
+    "datasheet dense bf16 peak (TFLOP/s)": peak_tflops if peak_tflops else np.nan,
+}, name="value").to_frame()
+
+# %% [markdown]
+# The ladder's code. The step is the one of chapter 8, with its phases marked for the profiler; each rung
+# changes the attention kernel, the precision, the optimizer, the batch or the compilation, and nothing
+# else. A rung that does not fit the GPU becomes a row that says so.
+
+# %%
+LADDER = {
+    "bert-large-uncased": dict(head="sequence-classification", task="classification",
+                               seq_len=prof.pick(tiny=32, full=512), batch=prof.pick(tiny=2, full=4),
+                               knee=prof.pick(tiny=(2, 4, 8), full=(16, 32, 64))),
+    "polyglot-ko-1.3b": dict(head="causal-lm", task="causal-lm", seq_len=prof.pick(tiny=32, full=2048),
+                             batch=1, knee=prof.pick(tiny=(1, 2, 4), full=(2, 4, 8))),
+}
+REPEAT, WARMUP = 10, prof.pick(tiny=1, full=3)
+
+
+def make_batch(name, batch_size):
+    cfg = LADDER[name]
+    ds = data.dummy_dataset(batch_size, cfg["seq_len"], task=cfg["task"], seed=0)
+    return {k: v.to(dev) for k, v in ds[:].items()}
+
+
+def make_optimizer(model, kind):
+    if kind == "for-loop":  # the guide's adamw_torch: one parameter at a time
+        return torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=False)
+    return torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+
+def make_step(model, optimizer, batch, amp):
+    """One training step: forward under autocast (when ``amp`` is a dtype), backward, optimizer."""
+    scaler = torch.amp.GradScaler("cuda") if amp == torch.float16 else None  # fp16 needs loss scaling
+
+    def step():
+        with record_function("forward"), torch.autocast(dev, dtype=amp or torch.float32, enabled=amp is not None):
+            loss = model(**batch).loss
+        with record_function("backward"):
+            (scaler.scale(loss) if scaler else loss).backward()
+        with record_function("optimizer"):
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def set_attention(model, kind):
+    """Switch the attention kernel of a built model ("eager" or "sdpa")."""
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(kind)
+    else:  # older transformers: the layers read the config at each call
+        model.config._attn_implementation = kind
+
+
+def time_rung(model, name, rung):
+    """Time one rung (``rung``: attention, amp, optimizer, batch); return its ``Timed`` and peak (GiB)."""
+    set_attention(model, rung["attention"])
+    step = make_step(model, make_optimizer(model, rung["optimizer"]), make_batch(name, rung["batch"]), rung["amp"])
+    if prof.on_gpu:
+        torch.cuda.reset_peak_memory_stats()
+    t = timing.time_it(step, device=dev, warmup=WARMUP, repeat=REPEAT, profile_steps=2)
+    peak_gib = torch.cuda.max_memory_allocated() / GIB if prof.on_gpu else np.nan
+    return t, peak_gib
+
+# %% [markdown]
+# One row per rung: throughput from the median synchronised step time, MFU against both ceilings, the
+# memory and the profiler's evidence.
+
+# %%
+def rung_row(name, model, rung, t, peak_gib):
+    seq = LADDER[name]["seq_len"]
+    per_token = flops.flops_per_token(flops.matmul_params(model), model.config.num_hidden_layers,
+                                      model.config.hidden_size, seq)
+    tok_s = rung["batch"] * seq / t.wall.median
+    return {
+        "batch": rung["batch"], "attention": rung["attention"],
+        "precision": f"{AMP_NAME} autocast" if rung["amp"] else "fp32",
+        "AdamW": rung["optimizer"], "compiled": rung.get("compiled", False),
+        "samples/s": rung["batch"] / t.wall.median, "tokens/s": tok_s,
+        "MFU vs datasheet (%)": flops.mfu(tok_s, per_token, peak_tflops) * 100 if peak_tflops else np.nan,
+        "MFU vs matmul ceiling (%)": flops.mfu(tok_s, per_token, ceiling_tflops) * 100,
+        "peak allocated (GiB)": peak_gib,
+        "GPU busy": t.gpu_busy if t.gpu_busy is not None else np.nan,
+        "step median (ms)": t.wall.median * 1e3, "step IQR (ms)": t.wall.iqr * 1e3,
+        "verdict": t.verdict,
+    }
+
+# %% [markdown]
+# The climb, for one model: rungs 1 to 3 change one setting each; rung 4 tries three batch sizes and keeps
+# the knee; rung 5 checks the shapes; rung 6 compiles each transformer layer and is kept only when it is
+# faster beyond the noise. This is *regional* compilation, as PyTorch's tutorial on it recommends: the layers
+# are identical, so the code compiled for one serves all of them, and the compile time is that of one layer
+# rather than of the whole model.
+
+# %%
+def layers_of(model):
+    return model.bert.encoder.layer if hasattr(model, "bert") else model.gpt_neox.layers
+
+
+def padding_check(model):
+    """The matrix-product dimensions of ``model`` that are not multiples of 8 (chapter 5: tensor-core tiles)."""
+    c = model.config
+    dims = {"hidden": c.hidden_size, "intermediate": c.intermediate_size, "vocabulary": c.vocab_size,
+            "head dim": c.hidden_size // c.num_attention_heads}
+    return {k: v for k, v in dims.items() if v % 8}
+
+
+def climb(name, compile_min_s):
+    cfg = LADDER[name]
+    model = models.build(name, head=cfg["head"], dtype=torch.float32).train()
+    rung = dict(batch=cfg["batch"], attention="eager", amp=None, optimizer="for-loop")
+    steps = [("0 vanilla: fp32, eager, AdamW for-loop", {}), ("1 + SDPA attention", dict(attention="sdpa")),
+             (f"2 + {AMP_NAME} autocast" + ("" if prof.on_gpu else " (off on a CPU)"), dict(amp=AMP if prof.on_gpu else None)),
+             ("3 + fused AdamW", dict(optimizer="fused"))]
+    rows, timed, notes = {}, {}, {}
+    for label, change in steps:
+        rung = {**rung, **change}
+        attempt = batching.try_batch(lambda bs, r=rung: time_rung(model, name, {**r, "batch": bs}), rung["batch"])
+        if attempt.fits:
+            timed[label] = attempt.value[0]
+            rows[label] = rung_row(name, model, rung, *attempt.value)
+        else:
+            rows[label] = {"batch": rung["batch"], "note": f"out of memory ({attempt.error})"}
+    knee = {}
+    for bs in cfg["knee"]:  # rung 4: three batch sizes, the knee is kept
+        attempt = batching.try_batch(lambda b: time_rung(model, name, {**rung, "batch": b}), bs)
+        knee[bs] = attempt
+        if not attempt.fits:
+            break
+    fitting = {bs: a.value for bs, a in knee.items() if a.fits}
+    if fitting:
+        best = max(bs / t.wall.median for bs, (t, _) in fitting.items())
+        knee_bs = min(bs for bs, (t, _) in fitting.items() if bs / t.wall.median >= 0.95 * best)
+        rung = {**rung, "batch": knee_bs}
+        label = f"4 + batch {knee_bs} (the knee)"
+        timed[label] = fitting[knee_bs][0]
+        rows[label] = rung_row(name, model, rung, *fitting[knee_bs])
+    notes["knee"] = {bs: (f"{bs / a.value[0].wall.median:,.1f} samples/s" if a.fits else f"out of memory ({a.error})")
+                     for bs, a in knee.items()}
+    notes["padding"] = padding_check(model)
+    notes["matmul_params"] = flops.matmul_params(model)
+    rows["5 padding to multiples of 8"] = {"batch": rung["batch"], "note": (
+        "not needed: " + ", ".join(f"{k} {v}" for k, v in {
+            "hidden": model.config.hidden_size, "vocabulary": model.config.vocab_size}.items()) + " are multiples of 8"
+        if not notes["padding"] else "needed for " + ", ".join(notes["padding"]) + " (see the text)")}
+    notes["compile"] = None
+    if not prof.on_gpu:
+        notes["compile"] = "skipped on CPU: torch.compile's GPU kernels (Triton) need a GPU"
+    elif seconds_left() < compile_min_s:
+        notes["compile"] = f"skipped: {seconds_left():.0f} s of the chapter's time budget left, compiling needs about {compile_min_s:.0f}"
+    else:
+        torch._logging.set_logs(dynamo=logging.ERROR, inductor=logging.ERROR)  # no compiler chatter in the output
+        try:
+            for layer in layers_of(model):
+                layer.compile()
+            compile_start = time.perf_counter()
+            attempt = batching.try_batch(lambda b: time_rung(model, name, {**rung, "batch": b}), rung["batch"])
+            compile_s = time.perf_counter() - compile_start
+        except Exception as err:  # a compiler error must not end the chapter: report it in one line
+            attempt, compile_s = None, 0.0
+            notes["compile"] = f"torch.compile failed here: {one_line(err)}"
+        if attempt is not None and attempt.fits:
+            t_c, peak_c = attempt.value
+            prev_label = list(timed)[-1]
+            verdict = timing.compare({"eager": timed[prev_label], "compiled": t_c}, "eager")["compiled"]
+            kept = verdict["difference"] == "faster"
+            label = "6 + torch.compile (regional)" + ("" if kept else ", not kept")
+            timed[label] = t_c
+            rows[label] = {**rung_row(name, model, {**rung, "compiled": True}, t_c, peak_c),
+                           "note": f"{verdict['speed-up']:.2f}x, {verdict['difference']}; compile and timing took {compile_s:.0f} s"}
+            notes["compile"] = verdict | {"kept": kept, "seconds": compile_s}
+        elif attempt is not None:
+            rows["6 + torch.compile (regional)"] = {"batch": rung["batch"], "note": f"out of memory ({attempt.error})"}
+        torch.compiler.reset()  # drop the compiled code and its guards, which can keep the model alive
+    if isinstance(notes["compile"], str):
+        rows["6 + torch.compile (regional)"] = {"batch": rung["batch"], "note": notes["compile"]}
+    table = pd.DataFrame(rows).T.rename_axis(f"{name}, {cfg['seq_len']} tokens")
+    return table, timed, notes  # the model goes with this function's frame; the next cell collects it
+
+# %% [markdown]
+# ### bert-large, 512 tokens
+
+# %%
+bert_table, bert_timed, bert_notes = climb("bert-large-uncased", compile_min_s=prof.pick(tiny=0, full=170))
+cleanup.collect()
+bert_table
+
+# %% [markdown]
+# Rung 5 checks the shapes of the matrix products against chapter 5's rule (multiples of 8, better 64). In
+# bert-large the only dimension that is not a multiple of 8 is the vocabulary, 30,522; but a classification
+# model uses the vocabulary only in the embedding lookup, which is not a matrix product, so padding it would
+# buy nothing. Its hidden size (1,024), MLP width (4,096) and head size (64) are multiples of 64 already, and
+# so are the 1.3B model's (2,048, 8,192, 128), vocabulary (30,080) included: this rung changes nothing here.
+
+# %% [markdown]
+# ### The 1.3B GPT-NeoX, 2048 tokens
+#
+# The same ladder on the LLM book's model at its full context. Its vanilla rung runs at batch 1, which
+# keeps the slow fp32 rungs short: with eager attention the stored s × s attention matrices grow quickly
+# with the batch (chapter 1, section 1.4), and the planner puts the vanilla setup at batch 4 at the peak
+# printed below.
+
+# %%
+vanilla_b4 = plan.predict(plan.Setup(model="gpt-neox-1.3b", batch=4, seq=LADDER["polyglot-ko-1.3b"]["seq_len"],
+                                     precision="fp32", optimizer="adamw", attention="eager",
+                                     profile=prof.name))
+print(f"vanilla setup at batch 4: predicted peak {vanilla_b4.peak_gib:.1f} GiB ({vanilla_b4.peak_phase})")
+llm_table, llm_timed, llm_notes = climb("polyglot-ko-1.3b", compile_min_s=prof.pick(tiny=0, full=80))
+cleanup.collect()
+llm_table
+
+# %%
+def best_label(timed, table):
+    """The fastest rung that was kept (a compile rung marked 'not kept' is not); None if no rung ran."""
+    kept = [k for k in timed if "not kept" not in k]
+    return max(kept, key=lambda k: table.loc[k, "tokens/s"]) if kept else None
+
+
+best_bert, best_llm = best_label(bert_timed, bert_table), best_label(llm_timed, llm_table)
+ladder_mfu_bert = float(bert_table.loc[best_bert, "MFU vs datasheet (%)"]) if best_bert else float("nan")
+ladder_mfu_1p3b = float(llm_table.loc[best_llm, "MFU vs datasheet (%)"]) if best_llm else float("nan")
+glue("ladder_mfu_bert", ladder_mfu_bert)
+glue("ladder_mfu_1p3b", ladder_mfu_1p3b)
+fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
+for ax, (title, table, goal) in zip(axes, [
+        (f"bert-large, {LADDER['bert-large-uncased']['seq_len']} tokens", bert_table, 35),
+        (f"1.3B GPT-NeoX, {LADDER['polyglot-ko-1.3b']['seq_len']} tokens", llm_table, 45)]):
+    done = table.dropna(subset=["tokens/s"]) if "tokens/s" in table else table.iloc[:0]
+    y = np.arange(len(done))[::-1]
+    metric = "MFU vs datasheet (%)" if prof.on_gpu else "MFU vs matmul ceiling (%)"
+    ax.barh(y, done[metric].astype(float), color=["C1" if "not kept" in k else "C0" for k in done.index])
+    for yi, (_, row) in zip(y, done.iterrows()):
+        ax.text(float(row[metric]) + 0.5, yi, f"{row['tokens/s']:,.0f} tok/s", va="center", fontsize=8)
+    ax.set_yticks(y, [k.split(" ", 1)[1] for k in done.index])
+    if prof.on_gpu:
+        ax.axvline(goal, color="grey", linestyle="--", label=f"goal: {goal}% MFU")
+        ax.legend(loc="lower right")
+    ax.set_xlabel(metric.replace("(%)", "(%, bars) and tokens/s (labels)"))
+    ax.set_xlim(0, max(60, float(done[metric].max()) * 1.35) if len(done) else 60)
+    ax.set_title(title)
+first_last = {n: (t[metric].astype(float).dropna().iloc[0], float(t.loc[best, metric])) if best else (np.nan, np.nan)
+              for n, t, best in (("bert-large", bert_table, best_bert), ("1.3B", llm_table, best_llm))}
+fig.suptitle("the speed ladder: " + "; ".join(f"{n} from {v0:.1f}% to {v1:.1f}% MFU" for n, (v0, v1) in first_last.items())
+             + ("" if prof.on_gpu else " (CPU run: against the CPU's matmul rate)"))
+fig.tight_layout()
+
+# %% tags=["remove-input"]
+def per_sample_verdict(t_prev, b_prev, t_cur, b_cur):
+    """Throughput ratio of two rungs, and whether the change is larger than the noise: ``timing.compare``'s
+    rule (medians further apart than the larger IQR) applied to the time per sample, as the batch may differ."""
+    m0, m1 = t_prev.wall.median / b_prev, t_cur.wall.median / b_cur
+    noise = max(t_prev.wall.iqr / b_prev, t_cur.wall.iqr / b_cur)
+    return m0 / m1, ("within the noise" if abs(m0 - m1) <= noise else ("faster" if m1 < m0 else "slower"))
+
+
+def ladder_sentences(name, table, timed, notes, best, goal):
+    vanilla = table.iloc[0]
+    b = table.loc[best]
+    speedup = b["tokens/s"] / vanilla["tokens/s"]
+    labels = list(timed)
+    steps = []
+    for prev, cur in zip(labels, labels[1:]):
+        ratio, diff = per_sample_verdict(timed[prev], table.loc[prev, "batch"], timed[cur], table.loc[cur, "batch"])
+        steps.append(f"*{cur.split(' ', 1)[1]}* {ratio:.2f}x ({diff})")
+    mfu = b["MFU vs datasheet (%)"]
+    reach = (f"reaching the goal of {goal}%" if mfu >= goal else f"short of the goal of {goal}%")
+    text = (f"**{name}.** From {vanilla['tokens/s']:,.0f} to {b['tokens/s']:,.0f} tokens/s, {speedup:.1f} times the "
+            f"vanilla setup's throughput ({'at least' if speedup >= 10 else 'less than'} the 10 times this chapter aimed "
+            f"for). The best rung, *{best.split(' ', 1)[1]}*, runs at {mfu:.1f}% MFU against the datasheet, {reach}, "
+            f"and at {b['MFU vs matmul ceiling (%)']:.0f}% of the measured matmul ceiling; the GPU is busy "
+            f"{b['GPU busy']:.0%} of its step ({b['verdict']}). Rung by rung, over the rung before: " + "; ".join(steps) + ". "
+            "The knee search measured " + ", ".join(f"batch {bs}: {v}" for bs, v in notes["knee"].items()) + ".")
+    c = notes["compile"]
+    if isinstance(c, dict):
+        text += (f" `torch.compile` took {c['seconds']:.0f} s to compile and time, and made the step {c['speed-up']:.2f}x "
+                 f"as fast ({c['difference']}); it is " + ("kept." if c["kept"] else "not kept."))
+    elif c:
+        text += f" The compile rung: {c}."
+    return text
+
+
+if prof.on_gpu:
+    display(Markdown("\n\n".join(
+        ladder_sentences(*args) if args[4] else f"**{args[0]}**: no rung fit this GPU."
+        for args in (("bert-large", bert_table, bert_timed, bert_notes, best_bert, 35),
+                     ("The 1.3B GPT-NeoX", llm_table, llm_timed, llm_notes, best_llm, 45)))))
+else:
+    print("skipped on CPU: MFU and GPU-busy need a GPU (the tiny models' CPU times say nothing about a GPU)")
+
+# %% [markdown]
+# **Where the rest goes.** The category table of the best rung of each model (shares of the GPU time of the
+# profiled steps, chapter 8's categories), with the GPU's idle time as one more row: what separates the MFU
+# from 100%. Matrix products run below the datasheet peak even when they fill the GPU; the other rows are
+# time in which the tensor cores did no model FLOPs at all.
+
+# %%
+def where_time_goes(t):
+    cats = t.profile.categories() if t.profile is not None else None
+    if cats is None:
+        return pd.Series(dtype=float)
+    share = cats["share"] * (t.gpu_busy if t.gpu_busy is not None else 1.0)
+    return pd.concat([share, pd.Series({"GPU idle": 1 - t.gpu_busy})]) * 100 if t.gpu_busy is not None else share * 100
+
+
+rest = pd.DataFrame({col: where_time_goes(timed[best]) for col, timed, best in (
+    ("bert-large", bert_timed, best_bert), ("1.3B GPT-NeoX", llm_timed, best_llm)) if best})
+rest.rename_axis("% of the step's wall time" if prof.on_gpu else "% of the CPU operators' self time")
+
+# %% tags=["remove-input"]
+if prof.on_gpu and len(rest):
+    parts = []
+    for col, best, table, timed, notes in (("bert-large", best_bert, bert_table, bert_timed, bert_notes),
+                                            ("1.3B GPT-NeoX", best_llm, llm_table, llm_timed, llm_notes)):
+        if not best:
+            continue
+        r = rest[col].drop(["GPU idle", "GEMM"], errors="ignore").sort_values(ascending=False)
+        gemm_ms = timed[best].profile.categories().loc["GEMM", "GPU time (ms/step)"]
+        tokens = table.loc[best, "batch"] * LADDER["bert-large-uncased" if col == "bert-large" else "polyglot-ko-1.3b"]["seq_len"]
+        gemm_tflops = 6 * notes["matmul_params"] * tokens / (gemm_ms / 1e3) / 1e12 if gemm_ms > 0 else float("nan")
+        parts.append(
+            f"- **{col}** (*{best.split(' ', 1)[1]}*): matrix products take {rest.loc['GEMM', col]:.0f}% of the step, and "
+            f"while they run they reach {gemm_tflops:,.0f} TFLOP/s (the weights' 6 FLOPs per parameter and token over the "
+            f"GEMM kernels' time), {gemm_tflops / ceiling_tflops:.0%} of the measured matmul ceiling. The largest other "
+            f"rows: " + ", ".join(f"{k} {v:.0f}%" for k, v in r.head(3).items())
+            + f"; the GPU is idle {rest.loc['GPU idle', col]:.0f}% of the step.")
+    display(Markdown("\n".join(parts) + "\n\nThese are the levers that are left: the element-wise and normalisation "
+                     "rows shrink with fusion (compilation, fused kernels), idle time with fewer launches and "
+                     "overlap, and the GEMM row only with better shapes or a lower precision (fp8)."))
+else:
+    print("skipped on CPU: the categories of a GPU step need a GPU")
+
+# %% [markdown]
+# ## 10.4 The T4 recipe: the 1.3B model on 15 GB
+#
+# The LLM book fine-tunes the 1.3B model on Colab's free T4. Chapter 1 showed the plain setup running out
+# of memory there. Here the planner chooses: we ask it for the cheapest changes that make a full
+# fine-tuning setup (batch 8, 512 tokens, fp16 autocast as a T4 needs, AdamW) fit the T4's budget, then run
+# the cheapest suggestion a T4 can run on this GPU with the allocator capped at that budget (chapter 1's
+# emulation: the T4's 15 GB less this process's CUDA context, `measure.t4_budget`), and compare the measured
+# peak and throughput with the plan. Two kinds of suggestion are set aside: a bf16 base (a T4, compute
+# capability 7.5, has no bf16 tensor cores) and *paged* optimizer states, which live in CUDA managed memory
+# outside PyTorch's allocator, where the emulated cap cannot check them.
+
+# %%
+t4_start = plan.Setup(model="gpt-neox-1.3b", batch=8, seq=512, precision="fp16-autocast", optimizer="adamw")
+print(plan.predict(t4_start).explain())
+print(f"budget: {T4_BUDGET_GIB:.2f} GiB")
+suggestions = plan.suggest(t4_start, T4_BUDGET_GIB)
+
+
+def runs_on_a_t4(setup):
+    """No bf16 (a T4 has none), no paged states (outside the allocator, so the emulated cap cannot check them)."""
+    return not setup.precision.startswith("bf16") and not setup.optimizer.startswith("paged")
+
+
+t4_options = [option for option in suggestions if runs_on_a_t4(option[1])]
+pd.DataFrame([{"change": d, "predicted peak (GiB)": p.peak_gib, "peak phase": p.peak_phase, "relative time cost": c,
+               "runs on a T4 (emulated)": runs_on_a_t4(s_)}
+              for d, s_, p, c in suggestions]).rename_axis("rank").head(8)
+
+# %%
+recipe_run = None
+if not t4_options:
+    print(f"no change of one or two settings that a T4 can run fits {T4_BUDGET_GIB:.2f} GiB: nothing to run")
+elif profiles.cuda_or_skip("running the recipe needs a GPU (the plan above is pure arithmetic)"):
+    recipe_desc, recipe, recipe_plan, recipe_cost = t4_options[0]
+    try:
+        with measure.gpu_budget(T4_BUDGET_GIB):
+            recipe_run = plan.measure(recipe, device=dev, steps=12)  # 12 optimizer steps, each synchronised
+    except Exception as err:  # report a failure in one line rather than end the chapter
+        recipe_run = {"status": f"failed: {one_line(err)}"}
+    cleanup.collect()
+    ran = recipe_run["status"] == "ok"
+    tokens_per_step = recipe.batch * recipe.grad_accum * recipe.seq
+    recipe_table = pd.Series({
+        "recipe": recipe_desc,
+        "setup": recipe.label(),
+        "budget (GiB)": T4_BUDGET_GIB,
+        "predicted peak (GiB)": recipe_plan.peak_gib,
+        "predicted phase": recipe_plan.peak_phase,
+        "measured peak (GiB)": recipe_run["peak_allocated_bytes"] / GIB if ran else np.nan,
+        "measured phase": recipe_run["peak_phase"] if ran else recipe_run["status"],
+        "step, median of 12 (ms)": recipe_run["step_s"] * 1e3 if ran else np.nan,
+        "tokens/s": tokens_per_step / recipe_run["step_s"] if ran else np.nan,
+    }, name="value").to_frame()
+    display(recipe_table)
+
+# %% tags=["remove-input"]
+def t4_fraction():
+    """This GPU's dense 16-bit FLOP/s and bandwidth over a T4's, from helpers.flops' datasheet tables."""
+    name = torch.cuda.get_device_name()
+    try:
+        return (flops.peak_tflops(name, AMP) / flops.PEAK_TFLOPS["T4"]["fp16"],
+                flops.peak_bandwidth_gb_s(name) / flops.PEAK_BANDWIDTH_GB_S["T4"])
+    except ValueError:  # a GPU the tables do not know
+        return None
+
+
+if recipe_run is not None:
+    head = f"The planner's cheapest change that a T4 can run, *{recipe_desc}* (predicted time cost {recipe_cost:.2f}x), "
+    if recipe_run["status"] == "ok":
+        m_gib = recipe_run["peak_allocated_bytes"] / GIB
+        err = (recipe_plan.peak_gib / m_gib - 1) * 100
+        fits_txt = (f"fits, with {T4_BUDGET_GIB - m_gib:.2f} GiB to spare" if m_gib <= T4_BUDGET_GIB else "does not fit")
+        ratio = t4_fraction()
+        speed_txt = (f" This GPU has {ratio[0]:.0f} times a T4's dense 16-bit FLOP/s and {ratio[1]:.0f} times its memory "
+                     f"bandwidth, so expect the T4 to be about that many times slower; the memory is what this emulation "
+                     f"checks." if ratio else "")
+        display(Markdown(
+            head + f"predicted a peak of {recipe_plan.peak_gib:.2f} GiB in the {recipe_plan.peak_phase}; the run measured "
+            f"{m_gib:.2f} GiB in the {recipe_run['peak_phase']} ({err:+.1f}%) under a cap of {T4_BUDGET_GIB:.2f} GiB, so it "
+            f"{fits_txt}. It trains at {tokens_per_step / recipe_run['step_s']:,.0f} tokens/s on this GPU." + speed_txt))
+    elif recipe_run["status"] == "oom":
+        display(Markdown(head + f"ran out of memory under the T4 cap of {T4_BUDGET_GIB:.2f} GiB: the plan was wrong for "
+                         f"this setup, and section 10.2's error table says by how much its predictions can miss."))
+    else:
+        display(Markdown(head + f"did not run here ({recipe_run['status']}), so this run cannot check it."))
+
+# %% [markdown]
+# ## 10.5 A decision checklist
+#
+# **Out of memory?** First ask the planner (or measure, chapter 1) *which phase* holds the peak, then pick
+# the technique that shrinks what that phase holds:
+#
+# | the peak is in ... | because of ... | try, cheapest first | chapter |
+# |---|---|---|---|
+# | every phase | weights, gradients, optimizer states (16 bytes per parameter with AdamW) | 8-bit or factored optimizer states; LoRA, QLoRA; ZeRO/FSDP across GPUs | [5](05_mixed_precision_optimizers.ipynb), [6](06_lora_qlora.ipynb), [7](07_distributed_zero.ipynb) |
+# | the forward or backward pass | activations (grow with batch × sequence) | SDPA attention; a smaller micro-batch with accumulation; checkpointing | [1](01_memory_anatomy.ipynb), [3](03_batch_size_grad_accumulation.ipynb), [4](04_gradient_checkpointing.ipynb) |
+# | the optimizer step | the optimizer's temporaries on top of the gradients | fused or 8-bit AdamW; free the gradients (`set_to_none=True`) | [5](05_mixed_precision_optimizers.ipynb), [8](08_profiling.ipynb) |
+# | nowhere clear: reserved ≫ allocated | fragmentation, variable shapes | `expandable_segments`; fixed or bucketed lengths | [8](08_profiling.ipynb) |
+# | the loss (language models) | logits of a large vocabulary, and their fp32 gradients | a smaller micro-batch with accumulation | [3](03_batch_size_grad_accumulation.ipynb), [4](04_gradient_checkpointing.ipynb) |
+#
+# **Slow?** Time it properly first (≥ 10 steps, the spread), then read the GPU-busy fraction:
+#
+# | GPU busy | the step is ... | try | chapter |
+# |---|---|---|---|
+# | low, host enqueue ≈ step | host-bound | a larger batch; fused optimizer; CUDA graphs or `torch.compile` | [3](03_batch_size_grad_accumulation.ipynb), [8](08_profiling.ipynb), [9](09_fast_path.ipynb) |
+# | low, host idle too | waiting (data loading, synchronisations) | more loader workers, pinned memory; no `.item()` in the loop | [8](08_profiling.ipynb), [9](09_fast_path.ipynb) |
+# | high, element-wise and optimizer rows large | memory-bound | fused kernels (fused AdamW, SDPA), `torch.compile` | [5](05_mixed_precision_optimizers.ipynb), [8](08_profiling.ipynb), [9](09_fast_path.ipynb) |
+# | high, GEMM row large | compute-bound | 16-bit autocast; shapes in multiples of 64; no recomputation you do not need | [5](05_mixed_precision_optimizers.ipynb), [4](04_gradient_checkpointing.ipynb) |
+#
+# The page [Which technique do I need?](../book/which_technique.md) expands both lists with links to the
+# sections.
+#
+# ## Summary
+#
+# - A planner that adds up the terms the book measured predicts a training step's peak memory; section
+#   10.2 publishes its error over more than thirty measured setups, beside four popular estimators that
+#   leave out the activations or the temporaries.
+# - Most of a training step's speed comes from a few switches (SDPA, 16-bit autocast, a fused optimizer)
+#   and a batch large enough to keep the GPU busy; compilation comes last and is kept only when measured
+#   faster.
+# - MFU against the datasheet hides two gaps: the matmul ceiling (what the tensor cores really deliver) and
+#   the time outside the matrix products; the profiler's category table shows the second.
+# - Plan, then measure: the planner says which change makes a run fit, the measurement says whether it did.
+#
+# ### Use it in your own script
+#
+# ```python
+# import torch
+# from transformers import AutoModelForCausalLM
+#
+# model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="sdpa").cuda()  # fp32 master weights
+# optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5, fused=True)
+# for layer in model.model.layers:        # regional compilation: one layer compiled, reused by all
+#     layer.compile()
+# for batch in loader:                    # batch at the knee of the throughput curve
+#     with torch.autocast("cuda", dtype=torch.bfloat16):
+#         loss = model(**batch).loss
+#     loss.backward()
+#     optimizer.step()
+#     optimizer.zero_grad(set_to_none=True)
+# ```
+#
+# And before the first run: `python -m helpers.plan --model path/to/config.json --batch 8 --seq 1024 --gpu T4`.
+#
+# ## Exercises
+#
+# 1. **Plan, then measure, a model of your choice.** Write a `config.json` (or take one from a model you
+#    use), predict its peak with `plan.predict` for your batch and sequence length, then measure it with
+#    `plan.measure`. How far apart are they, and which term does the gap belong to?
+#    <details><summary>Hint</summary><code>plan.Setup(model="path/to/config.json", ...)</code>; compare
+#    <code>plan.predict(s).components</code> with the measured peak, and move one setting at a time (batch,
+#    then sequence length) to see which term scales with the gap.</details>
+#    <details><summary>Answer</summary>Expect an error of the size of section 10.2's table for the families
+#    it covers (BERT, GPT-NeoX, Llama). A gap that grows with batch × sequence is in the activation term; a
+#    constant gap is in a fixed term (workspaces, the optimizer's temporaries).</details>
+# 2. **Make the 1.3B recipe faster on the T4.** Ask `plan.suggest` for all the plans that fit and pick the
+#    one with the lowest time cost that keeps full fine-tuning. What does it give up?
+#    <details><summary>Hint</summary>Print every suggestion with its relative time cost; checkpointing costs
+#    about a third more compute (chapter 4), 8-bit states cost little time (chapter 5).</details>
+#    <details><summary>Answer</summary>Every full fine-tuning plan that fits needs 8-bit (or factored)
+#    optimizer states *and* one more saving: micro-batches with accumulation, or checkpointing, which costs
+#    the most time. Paged states allow the micro-batch plan, but the emulated cap cannot check them (section
+#    10.4). LoRA fits with no other change but trains a small fraction of the parameters; a bf16 base is not
+#    an option on a T4.</details>
+# 3. **One more rung.** Add CUDA graphs (chapter 8, section 8.3) to the bert-large ladder at batch 4. Does it
+#    pay at the knee's batch, too?
+#    <details><summary>Hint</summary>Capture the whole step with <code>torch.cuda.graph</code> and a
+#    <code>capturable=True</code> fused AdamW; time the replay with <code>time_it</code>.</details>
+#    <details><summary>Answer</summary>At batch 4 the step is host-bound and graphs pay; at the knee the GPU
+#    is already busy most of the time, and the gain shrinks to the launch gaps, often within the noise.</details>
+#
+# ## References
+#
+# - Hugging Face, *Model training anatomy* and *Efficient training on a single GPU* (the ladder's starting
+#   point and its rungs); the *Model Memory Calculator* and `accelerate estimate-memory`.
+# - [Rajbhandari et al. (2020)](../book/references.md), *ZeRO*: the model-state formula. [Korthikanti et al. (2022)](../book/references.md): the activation
+#   formula. [Anthony et al. (2023)](../book/references.md), *Transformer Math 101*.
+# - [Chowdhery et al. (2022)](../book/references.md), *PaLM*, appendix B: the MFU convention. [Dao et al. (2022)](../book/references.md), *FlashAttention*.
+# - [Ansel et al. (2024)](../book/references.md), *PyTorch 2*: `torch.compile`; PyTorch's tutorial on regional compilation.
+# - [Heo (2024)](../book/references.md), the LLM book's chapter 5: the 1.3B model on a T4.
+#
+# All the works the book cites are on the [references page](../book/references.md).
+
+# %% [markdown]
+# Every experiment freed what it made. The last cell releases cuBLAS's workspaces (chapter 8 explains why
+# they are held) and checks that the chapter ends where it began:
+
+# %%
+cleanup.collect()
+if prof.on_gpu:
+    torch._C._cuda_clearCublasWorkspaces()  # PyTorch's own (private) call for this
+    cleanup.collect()
+    end_mib = torch.cuda.memory_allocated() / MIB
+    display(pd.Series({"allocated at the start (MiB)": baseline_mib, "allocated at the end (MiB)": end_mib},
+                      name="value").to_frame())
+    assert end_mib <= baseline_mib + 0.01, f"{end_mib - baseline_mib:.2f} MiB still allocated: something leaked"
+else:
+    print("skipped on CPU: no GPU memory to check")
