@@ -796,6 +796,24 @@ else:
     print("skipped on CPU: no compilation ran")
 
 # %% [markdown]
+# **Reading the run above.** Three things to check in the tables, beyond the verdicts:
+#
+# - *The attention row of bert-large.* If the compiled step shows no time in attention kernels while its GEMM
+#   row grew (and its peak memory with it), attention did not run in a fused kernel under compilation but as
+#   batched matrix products and a softmax that store the *s* × *s* matrix: the slow path of section 9.1. Section
+#   9.4 checks the same question inside a CUDA graph. transformers treats compilation and graph capture alike
+#   as *tracing* (`transformers.utils.import_utils.is_tracing`) and takes code paths there that avoid host-side
+#   checks, which is where to look first; the kernel names, not the speed-up alone, tell which attention ran.
+# - *The warning printed by the 1.3B model's per-layer compile.* The config's `use_cache=True` makes the model
+#   build a key-value cache even in a training step and hand it to every layer; each layer's cache entry
+#   becomes a guard, so every layer triggers a recompilation, and after
+#   `torch._dynamo.config.recompile_limit` (8) compilations TorchDynamo runs the remaining layers eagerly. The
+#   *graphs compiled* column shows how many layers were compiled. Call the model with `use_cache=False` (as
+#   section 9.2 does for packing) before compiling per layer; then one compilation serves all 24 layers.
+# - *Skipped rows.* A mode marked "skipped" did not fit the chapter's time budget after the compile times
+#   above; run the cell again with a larger `COMPILE_DEADLINE_S` to measure it.
+
+# %% [markdown]
 # **Recompilation when the sequence length changes.** A compiled graph is specialised to its input shapes
 # and protected by *guards*; a call whose shapes fail the guards compiles again. With `dynamic=False` every
 # new sequence length compiles a new graph; by default (`dynamic=None`) the first change triggers one
@@ -997,6 +1015,13 @@ if graph_result and "CUDA graph" in g_timed:
     display(Markdown(text))
 elif graph_result:
     print("the capture failed on this setup; see the message above")
+
+# %% [markdown]
+# When the bare SDPA call keeps its fused kernel under capture but the model's attention does not, the
+# capture did not change SDPA's choice: the model's code took a different path while capturing (see the
+# note on tracing in section 9.3). Whatever the cause, the graph's speed-up comes from removing launch
+# overhead, and a step whose attention falls back to the math path also pays its *s* × *s* memory: check the
+# kernel names after capturing.
 
 # %%
 cleanup.collect()
