@@ -149,9 +149,11 @@ else:
 # and one number per row (the softmax's log-sum-exp). This is FlashAttention (Dao et al. (2022); versions 2
 # and 3, Dao (2024) and Shah et al. (2024), [references](../book/references.md)), whose papers claim
 # memory linear in *s* and a speed-up of several times over the written-out version. PyTorch's
-# `F.scaled_dot_product_attention` (SDPA) has four implementations ("backends") and picks the first that
-# supports the inputs, in this order: flash, memory-efficient (from xFormers), cuDNN, math (the written-out
-# version in C++). `torch.nn.attention.sdpa_kernel` restricts the choice:
+# `F.scaled_dot_product_attention` (SDPA) has four implementations ("backends"): flash, memory-efficient
+# (from xFormers), cuDNN, and math (the written-out version in C++). It takes the first in a priority list that
+# supports the inputs; the list depends on the PyTorch version and the GPU (recent versions put cuDNN first
+# on Hopper GPUs such as the H100; section 9.4 reads which kernel actually ran from the profiler).
+# `torch.nn.attention.sdpa_kernel` restricts the choice:
 #
 # ```python
 # from torch.nn.attention import SDPBackend, sdpa_kernel
