@@ -16,7 +16,8 @@ Counting and formulas (no GPU needed)
 
 Models, data, training
 - ``models``      offline model registry (full size and tiny twins), local checkpoints
-- ``data``        datasets that need no download: random tokens, a learnable Markov chain, keywords
+- ``data``        datasets that need no download: random tokens, a learnable Markov chain, keywords, on-the-fly tokenising
+- ``packing``     variable-length documents into batches: padding, length grouping, packing with position ids
 - ``train``       a plain training loop for loss curves
 
 Memory management

@@ -6,6 +6,8 @@
   ``branching`` equally likely successors. A causal LM can learn it, and the best possible loss is
   known exactly: ``log(branching)`` nats per token (``markov_loss_floor``), so loss curves mean something.
 - ``keyword_dataset``: sequence classification, label 1 when a keyword token occurs anywhere.
+- ``TokenizingDataset``: pseudo-texts tokenised on the fly in pure Python: real CPU work per sample,
+  for measuring data-loading stalls.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
 from datasets import Dataset
 
 
@@ -131,3 +134,68 @@ def keyword_dataset(
     ds = Dataset.from_dict({"input_ids": ids, "labels": labels})
     ds.set_format("torch")
     return ds
+
+
+class TokenizingDataset:
+    """A map-style dataset that does real CPU work per sample, as a tokenizer does.
+
+    Sample ``i`` is a pseudo-text of ``words`` words drawn from a fixed seeded vocabulary of made-up words;
+    ``__getitem__`` splits it, maps each word to sub-word ids with a pure-Python greedy longest-match over
+    a fixed sub-word table (the shape of WordPiece), truncates or pads to ``seq_len`` and returns
+    ``input_ids``, ``attention_mask`` and ``labels`` tensors. The cost per sample grows with ``words``;
+    nothing is cached, so every epoch pays it again, as an on-the-fly tokenizer does. Picklable, so
+    ``DataLoader`` workers can run it.
+
+    >>> ds = TokenizingDataset(1024, seq_len=128)
+    >>> ds[0]["input_ids"].shape
+    torch.Size([128])
+
+    Introduced in chapter 9, section 9.5.
+    """
+
+    def __init__(self, n_samples: int, seq_len: int, *, words: int = 200, vocab_size: int = 30000,
+                 num_labels: int = 2, seed: int = 0) -> None:
+        _check_sizes(n_samples, seq_len)
+        if words < 1:
+            raise ValueError(f"words must be positive, got {words}")
+        self.n_samples, self.seq_len, self.words = n_samples, seq_len, words
+        self.vocab_size, self.num_labels, self.seed = vocab_size, num_labels, seed
+        rng = np.random.default_rng(seed)
+        letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+        self.lexicon = ["".join(rng.choice(letters, size=rng.integers(3, 11))) for _ in range(2000)]
+        pieces = {w[:k] for w in self.lexicon[::3] for k in (2, 3, 4)} | set(letters.tolist())
+        self.subwords = {p: 100 + i % (vocab_size - 100) for i, p in enumerate(sorted(pieces))}
+
+    def __len__(self) -> int:
+        return self.n_samples
+
+    def text(self, index: int) -> str:
+        """The pseudo-text of sample ``index`` (deterministic in ``seed`` and ``index``)."""
+        rng = np.random.default_rng((self.seed, index))
+        return " ".join(self.lexicon[j] for j in rng.integers(0, len(self.lexicon), size=self.words))
+
+    def tokenize(self, text: str) -> list[int]:
+        """Greedy longest-match sub-word ids of ``text`` (pure Python: the CPU work of a sample)."""
+        ids = [101]
+        for word in text.split():
+            start = 0
+            while start < len(word):
+                for end in range(min(len(word), start + 4), start, -1):
+                    piece = word[start:end]
+                    if piece in self.subwords:
+                        ids.append(self.subwords[piece])
+                        start = end
+                        break
+        ids.append(102)
+        return ids
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not 0 <= index < self.n_samples:
+            raise IndexError(f"index {index} out of range for {self.n_samples} samples")
+        ids = self.tokenize(self.text(index))[: self.seq_len]
+        n = len(ids)
+        input_ids = torch.zeros(self.seq_len, dtype=torch.long)
+        input_ids[:n] = torch.tensor(ids, dtype=torch.long)
+        mask = torch.zeros(self.seq_len, dtype=torch.long)
+        mask[:n] = 1
+        return {"input_ids": input_ids, "attention_mask": mask, "labels": torch.tensor(index % self.num_labels)}

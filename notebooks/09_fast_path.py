@@ -1,0 +1,1380 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: -jupytext.text_representation.jupytext_version
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 9. The fast path: attention kernels, packing, `torch.compile`, CUDA graphs and data loading
+#
+# Guides and blog posts promise speed from a handful of switches: fused attention, compilation, CUDA
+# graphs, more data-loader workers, a fused optimizer. Each of them pays on some models and GPUs and not
+# on others, and some cost something (compile time, memory, recompilations). This chapter measures every
+# switch on the book's two models with chapter 8's instruments, before and after, in the same run, and
+# reports the speed-up *with its spread*: a difference smaller than the noise is called so. Where a
+# switch made a step slower, the chapter says so and shows the profiler's evidence for why.
+#
+# **What you will learn**
+#
+# - which `scaled_dot_product_attention` kernel runs on your GPU (flash, memory-efficient, cuDNN, math),
+#   how to choose one with `torch.nn.attention.sdpa_kernel`, and what each costs in time and memory as
+#   sequences grow, set against chapter 1's activation formula;
+# - how much compute padding wastes on documents of different lengths, and how length grouping and
+#   *packing* (several documents per row, with position ids that keep them apart) recover it, checked for
+#   correctness;
+# - what `torch.compile` costs (compile time, recompilations when shapes change) and buys on bert-large
+#   and on the 1.3B GPT-NeoX, in its `default` and `reduce-overhead` modes, whole-model and per layer;
+# - how a CUDA graph removes the launch overhead of a host-bound step, and which attention kernel runs
+#   inside one;
+# - how to find and remove an input-pipeline stall (`num_workers`, `pin_memory`, `non_blocking`);
+# - a table of one-line "free wins" (fused AdamW, `set_to_none`, TF32, aligned shapes), each measured.
+#
+# **Prerequisites:** chapter 8 (`timing.time_it`, the GPU-busy fraction, the profiler's category table,
+# host-bound steps), chapter 1 (activation memory), chapters 3 and 5 (batches of variable length,
+# mixed precision and fused optimizers). A CUDA GPU for the timing sections; on a CPU the notebook runs
+# with tiny models and skips what only means something on a GPU, saying so.
+
+# %%
+import sys
+
+if "google.colab" in sys.modules:  # Colab: install the book's helpers; torch is already there
+    # %pip install -q "gpu-efficient-training @ git+https://github.com/gpu-efficient-training/book"
+
+from helpers import env
+
+env.quiet()  # warnings without file paths, no progress bars: outputs that read the same everywhere
+
+import math
+import time
+import warnings
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from IPython.display import Markdown, display
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.profiler import record_function
+
+from helpers import (
+    accounting,
+    batching,
+    cleanup,
+    data,
+    estimates,
+    measure,
+    models,
+    packing,
+    plots,
+    profiler,
+    profiles,
+    timing,
+)
+from helpers.measure import MIB
+
+plots.use_style()
+pd.options.display.float_format = "{:,.2f}".format
+prof = profiles.get()
+dev = prof.device
+env.report(prof)
+
+# %% [markdown]
+# As in chapter 8, the first cell that touches the GPU notes the allocated memory (nothing yet) for the
+# final check, and picks autocast's 16-bit type from the GPU's compute capability. It also starts a clock:
+# the whole chapter is meant to run in a few minutes on one GPU, and the most expensive experiments (the
+# compilations) check it before they start.
+
+# %%
+cap = profiles.capability()
+AMP = profiles.amp_dtype()
+baseline_mib = torch.cuda.memory_allocated() / MIB if prof.on_gpu else 0.0
+CHAPTER_START = time.perf_counter()
+REPEAT = prof.pick(tiny=3, full=10)  # timed repeats: 10 on a GPU; a CPU run only checks the code, with 3
+WARMUP = prof.pick(tiny=1, full=3)
+COMPILE_DEADLINE_S = 190  # an expensive step starts only if it can end before this many seconds into the chapter
+findings = []  # (technique, model, baseline, variant, speed-up, spreads, verdict): the closing table
+
+
+def note_finding(technique, model, timed, baseline, variant):
+    """Add one before/after comparison (``timing.compare``) to the chapter's closing table."""
+    c = timing.compare({baseline: timed[baseline], variant: timed[variant]}, baseline)[variant]
+    b, v = timed[baseline].wall, timed[variant].wall
+    findings.append({"technique": technique, "model": model, "baseline": baseline, "variant": variant,
+                     "baseline (ms)": f"{b.median * 1e3:.1f} (IQR {b.iqr * 1e3:.1f})",
+                     "variant (ms)": f"{v.median * 1e3:.1f} (IQR {v.iqr * 1e3:.1f})",
+                     "speed-up": c["speed-up"], "verdict": c["difference"]})
+    return c
+
+
+def seconds_left():
+    return COMPILE_DEADLINE_S - (time.perf_counter() - CHAPTER_START)
+
+
+if cap is not None:
+    print(f"{cap.name}: compute capability {cap.major}.{cap.minor}; autocast uses {AMP}; "
+          f"FlashAttention {'supported' if cap.flash_attention else 'not supported (needs 8.0)'}")
+else:
+    print("CPU run: the models are tiny and autocast is off")
+
+# %% [markdown]
+# ## 9.1 Attention kernels
+#
+# Attention computes `softmax(Q Kᵀ / √d) V` for every head. Written out in PyTorch, it materialises the
+# score matrix `Q Kᵀ`, of size *s* × *s* per head and sequence, and keeps it (or the softmax of it) for the
+# backward pass. This is what `attn_implementation="eager"` in transformers does, and it is the term
+# `5·a·s²·b` bytes per layer of chapter 1's activation formula (Korthikanti et al. (2022), [references](../book/references.md)):
+# 2 bytes for the scores, 2 for the softmax output and 1 for the dropout mask, per element.
+#
+# ```python
+# def eager_attention(q, k, v):                      # q, k, v: batch x heads x s x d
+#     s = q.shape[-2]
+#     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+#     causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+#     probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1, dtype=torch.float32)
+#     return probs.to(q.dtype) @ v
+# ```
+#
+# A **fused** attention kernel computes the same result tile by tile in the GPU's on-chip memory and never
+# writes the *s* × *s* matrix to GPU memory; the backward pass recomputes the tiles it needs from Q, K, V
+# and one number per row (the softmax's log-sum-exp). This is FlashAttention (Dao et al. (2022); versions 2
+# and 3, Dao (2024) and Shah et al. (2024), [references](../book/references.md)), whose papers claim
+# memory linear in *s* and a speed-up of several times over the written-out version. PyTorch's
+# `F.scaled_dot_product_attention` (SDPA) has four implementations ("backends"): flash, memory-efficient
+# (from xFormers), cuDNN, and math (the written-out version in C++). It takes the first in a priority list that
+# supports the inputs; the list depends on the PyTorch version and the GPU (recent versions put cuDNN first
+# on Hopper GPUs such as the H100; section 9.4 reads which kernel actually ran from the profiler).
+# `torch.nn.attention.sdpa_kernel` restricts the choice:
+#
+# ```python
+# from torch.nn.attention import SDPBackend, sdpa_kernel
+# with sdpa_kernel(SDPBackend.FLASH_ATTENTION):       # raises if flash cannot run these inputs
+#     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+# ```
+#
+# **Which backend runs where.** We try each backend with each data type on a small input (forward and
+# backward). The last column is what the backends' documented requirements say for Colab's T4 (compute
+# capability 7.5).
+
+# %%
+SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "memory-efficient": SDPBackend.EFFICIENT_ATTENTION,
+                 "cuDNN": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+REQUIREMENTS = {
+    "flash": ("compute capability 8.0 or newer; fp16 and bf16 only; no arbitrary mask", "no"),
+    "memory-efficient": ("compute capability 5.0 or newer; fp32, fp16 (bf16 from 8.0); arbitrary masks", "fp16 and fp32"),
+    "cuDNN": ("compute capability 8.0 or newer and a recent cuDNN; fp16 and bf16", "no"),
+    "math": ("any device and data type; stores the s x s matrix", "yes (the fallback)"),
+}
+
+
+def eager_attention(q, k, v):
+    """Attention written out, as transformers' eager implementation does it (causal, softmax in fp32)."""
+    s = q.shape[-2]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    probs = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1, dtype=torch.float32)
+    return probs.to(q.dtype) @ v
+
+
+def attention(impl):
+    """The attention function of ``impl``: "eager" or one SDPA backend, forced with sdpa_kernel."""
+    if impl == "eager":
+        return eager_attention
+
+    def sdpa(q, k, v):
+        with sdpa_kernel(SDPA_BACKENDS[impl]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    return sdpa
+
+
+def qkv(batch, heads, seq_len, head_dim, dtype, seed=0):
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    return [torch.randn(batch, heads, seq_len, head_dim, device=dev, dtype=dtype, generator=gen).requires_grad_()
+            for _ in range(3)]
+
+
+def runs(impl, dtype):
+    """Does ``impl`` run a small causal attention forward and backward in ``dtype`` here?"""
+    q, k, v = qkv(1, 2, 64, 64, dtype)
+    try:
+        with warnings.catch_warnings():  # a backend that cannot run warns why, then raises
+            warnings.simplefilter("ignore")
+            attention(impl)(q, k, v).sum().backward()
+        return "runs"
+    except RuntimeError as err:
+        return "not available" if "No available kernel" in str(err) or "not implemented" in str(err).lower() else str(err)[:60]
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+capability_table = pd.DataFrame({
+    impl: {**{f"{name} here": runs(impl, dt) for name, dt in DTYPES.items()},
+           "documented requirement": REQUIREMENTS[impl][0], "on a T4 (7.5)": REQUIREMENTS[impl][1]}
+    for impl in SDPA_BACKENDS}).T.rename_axis(f"SDPA backend on {cap.name if cap else 'this CPU'}")
+capability_table
+
+# %% [markdown]
+# **Time and memory against sequence length.** The sweep below keeps the tokens per batch fixed (batch ×
+# sequence length constant), as a training run with a token budget per step does, and uses the 1.3B
+# model's attention shape: 16 heads of dimension 128, causal (the tiny profile: 4 heads of 32). For each backend and length it times a forward
+# and backward pass (`time_it`, 10 repeats), records the peak allocated memory above the inputs, and counts
+# the bytes autograd saves for backward (chapter 1's `SavedTensorMeter`). A backend that cannot run is a
+# "not available" row; one that runs out of memory is marked, not dropped.
+
+# %%
+HEADS, HEAD_DIM = prof.pick(tiny=(4, 32), full=(16, 128))
+TOKENS = prof.pick(tiny=256, full=16384)
+SEQ_LENS = prof.pick(tiny=[32, 64, 128], full=[256, 512, 1024, 2048, 4096, 8192])
+IMPLS = ["eager", *SDPA_BACKENDS]
+
+
+def attention_case(impl, seq_len, dtype):
+    """Forward + backward of ``impl`` at ``seq_len`` (batch = TOKENS // seq_len): time, peak, saved bytes."""
+    q, k, v = qkv(TOKENS // seq_len, HEADS, seq_len, HEAD_DIM, dtype)
+    grad = torch.randn_like(q)
+    fn = attention(impl)
+
+    def fwd_bwd():
+        q.grad = k.grad = v.grad = None
+        fn(q, k, v).backward(grad)
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fwd_bwd()
+    except RuntimeError as err:
+        if batching.is_out_of_memory(err):
+            raise
+        return {"status": "not available"}
+    q.grad = k.grad = v.grad = None
+    meter = accounting.SavedTensorMeter()
+    with meter:
+        out = fn(q, k, v)
+    del out
+    peak_mib = np.nan
+    if prof.on_gpu:
+        measure.synchronize(dev)
+        before = torch.cuda.memory_allocated()
+        measure.reset_peak(dev)
+        fwd_bwd()
+        measure.synchronize(dev)
+        peak_mib = (torch.cuda.max_memory_allocated() - before) / MIB
+    t = timing.time_it(fwd_bwd, device=dev, warmup=WARMUP, repeat=REPEAT, busy=False)
+    return {"status": "ok", "fwd+bwd median (ms)": t.wall.median * 1e3, "IQR (ms)": t.wall.iqr * 1e3, "repeats": REPEAT,
+            "peak above inputs (MiB)": peak_mib, "saved for backward (MiB)": meter.total_bytes / MIB, "timed": t}
+
+
+def sweep(dtype, seq_lens, impls):
+    rows = {}
+    for impl in impls:
+        for s in seq_lens:
+            attempt = batching.try_batch(lambda _, impl=impl, s=s: attention_case(impl, s, dtype), 1)
+            rows[(impl, s)] = attempt.value if attempt.fits else {"status": "out of memory"}
+    table = pd.DataFrame(rows).T.rename_axis(["implementation", "seq len"])
+    return table
+
+
+attn_table = sweep(AMP if prof.on_gpu else torch.float32, SEQ_LENS, IMPLS)
+attn_timed = attn_table.pop("timed")
+attn_table
+
+# %%
+fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.3))
+mem_col = "peak above inputs (MiB)" if prof.on_gpu else "saved for backward (MiB)"
+for i, impl in enumerate(IMPLS):
+    rows = attn_table.loc[impl]
+    ok = rows[rows["status"] == "ok"]
+    label = impl if len(ok) else f"{impl} (not available here)"
+    if len(ok):
+        ax_t.plot(ok.index, ok["fwd+bwd median (ms)"].astype(float), "o-", color=f"C{i}", label=label)
+        ax_m.plot(ok.index, ok[mem_col].astype(float), "o-", color=f"C{i}", label=label)
+    oom = rows[rows["status"] == "out of memory"]
+    for s in oom.index:
+        ax_m.plot([s], [ax_m.get_ylim()[1] if len(ok) else 1], "x", color=f"C{i}", markersize=10, mew=2,
+                  label=f"{impl}: out of memory")
+b_of = {s: TOKENS // s for s in SEQ_LENS}
+formula = [estimates.korthikanti_activation_bytes(s, b_of[s], HEADS * HEAD_DIM, HEADS)
+           - estimates.korthikanti_activation_bytes(s, b_of[s], HEADS * HEAD_DIM, HEADS, attention="flash")
+           for s in SEQ_LENS]
+ax_m.plot(SEQ_LENS, np.array(formula) / MIB, "k--", label="formula's 5·a·s²·b term (one layer)")
+for ax in (ax_t, ax_m):
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(SEQ_LENS, [str(s) for s in SEQ_LENS])
+    ax.set_xlabel(f"sequence length (batch × length = {TOKENS:,} tokens)")
+ax_t.set_ylabel("forward + backward time (ms, median of 10)")
+ax_m.set_ylabel(("peak allocated above the inputs" if prof.on_gpu else "saved for backward") + " (MiB)")
+slowest = attn_table[attn_table["status"] == "ok"]["fwd+bwd median (ms)"].astype(float).idxmax()
+ax_t.set_title(f"time: slowest is {slowest[0]} at s = {slowest[1]}")
+ax_m.set_title("memory at a fixed token count: an s x s term grows linearly in s")
+ax_m.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1))
+fig.suptitle(f"attention, {HEADS} heads of {HEAD_DIM}, causal, "
+             + ("bf16" if AMP == torch.bfloat16 and prof.on_gpu else "fp16" if prof.on_gpu else "fp32 (CPU)"))
+fig.tight_layout()
+
+# %% tags=["remove-input"]
+ok_rows = attn_table[attn_table["status"] == "ok"]
+if prof.on_gpu and len(ok_rows):
+    s_max = max(s for (i, s) in ok_rows.index)
+    at_max = ok_rows.xs(s_max, level="seq len")
+    fused = [i for i in SDPA_BACKENDS if i != "math" and i in at_max.index]
+    best = at_max["fwd+bwd median (ms)"].astype(float).idxmin()
+    text = [f"At {s_max:,} tokens per sequence the fastest implementation is **{best}** "
+            f"({at_max.loc[best, 'fwd+bwd median (ms)']:.1f} ms for a forward and backward pass)."]
+    if "eager" in at_max.index and best != "eager":
+        e = attn_timed[("eager", s_max)]
+        c = timing.compare({"eager": e, best: attn_timed[(best, s_max)]}, "eager")[best]
+        text.append(f"Written-out attention takes {at_max.loc['eager', 'fwd+bwd median (ms)']:.1f} ms there: "
+                    f"{best} is {c['speed-up']:.1f} times as fast ({c['difference']}).")
+    elif "eager" not in at_max.index:
+        text.append(f"Written-out attention did not reach {s_max:,}: "
+                    + str(attn_table.loc[('eager', s_max), 'status']) + ".")
+    s_min = min(s for (i, s) in ok_rows.index)
+    at_min = ok_rows.xs(s_min, level="seq len")
+    if "eager" in at_min.index and fused:
+        f0 = min(fused, key=lambda i: at_min.loc[i, "fwd+bwd median (ms)"] if i in at_min.index else np.inf)
+        ratio = at_min.loc["eager", "fwd+bwd median (ms)"] / at_min.loc[f0, "fwd+bwd median (ms)"]
+        text.append(f"At {s_min} tokens the gap is {ratio:.1f} times ({f0} against eager): the score matrix is "
+                    f"small, and the FlashAttention papers' several-fold speed-ups are claims about long sequences.")
+    if "eager" in at_max.index and fused:
+        mem_e, mem_f = at_max.loc["eager", mem_col], at_max.loc[fused[0], mem_col]
+        term = formula[SEQ_LENS.index(s_max)] / MIB
+        text.append(f"Memory tells the clearer story. With the batch shrinking as the length grows, the fused "
+                    f"kernels' peak stays flat ({fused[0]}: {mem_f:,.0f} MiB at {s_max:,}), while the written-out "
+                    f"version's grows with the length ({mem_e:,.0f} MiB). The formula's s x s term for one layer is "
+                    f"{term:,.0f} MiB at this length.")
+    display(Markdown(" ".join(text)))
+else:
+    print("skipped on CPU: kernel times and allocator peaks need a GPU (the table shows CPU times and saved bytes)")
+
+# %% [markdown]
+# **The saved bytes, element by element.** The "saved for backward" column is device-independent, so it
+# can be checked against the formula exactly. The fused kernels save Q, K, V, the output and one log-sum-exp
+# per row and head: no *s* × *s* term at all. The written-out version saves tensors of the size of the
+# `b·a·s²` score matrix for its softmax and the product with V; per score element, how many bytes?
+
+# %%
+s_chk = SEQ_LENS[-2]
+saved = attn_table.xs(s_chk, level="seq len")["saved for backward (MiB)"]
+elements = TOKENS // s_chk * HEADS * s_chk**2
+per_element = {impl: (saved[impl] - saved[ref]) * MIB / elements
+               for impl in ("eager", "math") for ref in ("flash",)
+               if impl in saved and ref in saved and pd.notna(saved[impl]) and pd.notna(saved[ref])}
+pd.Series(per_element, name=f"extra bytes saved per score element, s = {s_chk}, vs flash").to_frame()
+
+# %% tags=["remove-input"]
+if "eager" in per_element:
+    pe = per_element["eager"]
+    display(Markdown(
+        f"Written-out attention saves {pe:.2f} extra bytes per score element over flash at s = {s_chk}; Korthikanti et "
+        f"al.'s formula counts 5 (16-bit scores and softmax output, and a 1-byte dropout mask). "
+        + ("The two agree. " if abs(pe - 5) < 0.5 else
+           "The exact number depends on the implementation's dtypes (this one keeps its softmax output in fp32 and has "
+           "no dropout), but the term is real and grows as b·a·s². ")
+        + "The fused kernels remove it. "
+        + (f"The math backend saves {per_element['math']:.2f} extra bytes per element: it stores the matrix too."
+           if "math" in per_element else "")
+    ))
+else:
+    print("the comparison needs both the eager and the flash rows; one of them did not run here")
+
+# %% [markdown]
+# **fp16 against bf16.** Both are 16-bit types with the same tensor-core speed on GPUs that have both; the
+# kernels should not care. A smaller sweep checks that.
+
+# %%
+dtype_table = None
+if profiles.cuda_or_skip("fp16 and bf16 attention kernels are a GPU matter") and cap.bf16:
+    lens16 = [1024, 4096]
+    parts = {name: sweep(dt, lens16, IMPLS) for name, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16))}
+    dtype_table = pd.DataFrame({f"{name} median (ms)": t["fwd+bwd median (ms)"] for name, t in parts.items()})
+    dtype_table["fp16 / bf16"] = dtype_table["fp16 median (ms)"] / dtype_table["bf16 median (ms)"]
+    display(dtype_table)
+elif prof.on_gpu:
+    print("skipped: this GPU has no bf16 tensor cores, so the sweep above already ran in fp16")
+
+# %% tags=["remove-input"]
+if dtype_table is not None:
+    r = dtype_table["fp16 / bf16"].dropna().astype(float)
+    display(Markdown(
+        f"fp16 takes between {r.min():.2f} and {r.max():.2f} times the bf16 time across the backends and lengths "
+        + ("that ran: the same speed within a few percent. " if r.between(0.9, 1.1).all() else "that ran. ")
+        + "The choice between them is about range and loss scaling (chapter 5), not attention speed."
+    ))
+
+# %%
+cleanup.collect()
+
+# %% [markdown]
+# ## 9.2 Padding, length grouping and packing
+#
+# Real documents have different lengths. A batch of them must be rectangular, so the simplest collator
+# pads every document to the longest one in its batch; the model then computes on padding tokens and throws
+# the results away. Two fixes:
+#
+# - **length grouping**: sort (or bucket) the documents by length before batching, so each batch holds
+#   similar lengths (the `group_by_length` option of the Hugging Face `Trainer`);
+# - **packing**: concatenate several documents into one row of fixed length, so there is (almost) no padding.
+#   Packing must keep the documents apart: a token may attend only to earlier tokens *of its own document*,
+#   its position must count from its document's start, and the first token of a document must not be a
+#   training target of the previous one.
+#
+# `helpers.packing` builds all three kinds of batches. Its packing gives each document position ids that
+# restart at 0 and sets the first label of each document to -100:
+#
+# ```python
+# for d in row:
+#     ids += d
+#     pos += list(range(len(d)))            # positions restart: the model sees each document from 0
+#     labels += [-100] + d[1:]              # nothing predicts a document's first token
+# batch = {"input_ids": ..., "position_ids": ..., "labels": ...}   # and no attention_mask
+# loss = model(**batch, use_cache=False).loss
+# ```
+#
+# transformers reads a restart in `position_ids`, when no `attention_mask` is given, as a document
+# boundary and builds a block-diagonal causal mask for SDPA. Before trusting it, we check it: a tiny
+# GPT-NeoX in fp32 on the CPU, three documents, each run alone and then packed into one row. If the
+# boundaries leak, the logits of the second and third documents differ from their own. Three packed runs:
+# with `use_cache=False`; with the model's defaults; and a naive concatenation whose positions do not
+# restart, which shows that the check can fail.
+
+# %%
+tiny_lm = models.build("polyglot-ko-1.3b", profile="tiny", head="causal-lm", device="cpu").eval()
+gen = np.random.default_rng(0)
+check_docs = [gen.integers(100, 1000, size=n).tolist() for n in (7, 12, 5)]
+packed = packing.pack_rows(check_docs, row_len=32, rows_per_batch=1)[0]
+starts = np.cumsum([0] + [len(d) for d in check_docs])
+
+
+def worst_difference(logits):
+    """Largest |logit difference| between the packed row's documents and each document run alone."""
+    return max((logits[a:b] - ref).abs().max().item() for a, b, ref in zip(starts, starts[1:], alone))
+
+
+with torch.no_grad():
+    alone = [tiny_lm(input_ids=torch.tensor([d]), use_cache=False).logits[0] for d in check_docs]
+    ids, pos = packed["input_ids"], packed["position_ids"]
+    leak = {
+        "packed, use_cache=False": worst_difference(tiny_lm(input_ids=ids, position_ids=pos, use_cache=False).logits[0]),
+        "packed, the model's defaults": worst_difference(tiny_lm(input_ids=ids, position_ids=pos).logits[0]),
+        "naive concatenation (positions do not restart)": worst_difference(tiny_lm(input_ids=ids, use_cache=False).logits[0]),
+    }
+assert leak["packed, use_cache=False"] < 1e-4, "packed logits differ from the documents' own: the boundaries leak"
+assert leak["naive concatenation (positions do not restart)"] > 1e-2, "the naive row should differ, or the check cannot fail"
+pd.Series(leak, name="largest |logit difference| to each document run alone").to_frame()
+
+# %% tags=["remove-input"]
+if leak["packed, the model's defaults"] > 1e-2:
+    display(Markdown(
+        "With `use_cache=False` the packed row reproduces every document's logits to float rounding: the boundaries "
+        "hold. **With the model's defaults they do not**: the config's `use_cache=True` makes the model create a "
+        "key-value cache even in a training forward pass, and transformers looks for packed documents in the position "
+        "ids only when there is no cache. The documents then attend to each other and the logits differ as much as "
+        "in the naive concatenation. Pass `use_cache=False` (or set `model.config.use_cache = False`) when training "
+        "on packed rows, and check it as here: the failure is silent."
+    ))
+else:
+    display(Markdown(
+        "The packed row reproduces every document's logits to float rounding, with `use_cache=False` and with the "
+        "model's defaults: in this transformers version the boundaries hold either way. Passing `use_cache=False` "
+        "for training costs nothing and protects against versions in which a cache disables the check."
+    ))
+
+# %% [markdown]
+# **The loss pitfall of chapter 3, again.** A packed row's loss is the mean over its labelled tokens, so a
+# long document weighs more than a short one: it is the *token-weighted* mean, not the mean of the
+# documents' own losses. Chapter 3 met the same difference with gradient accumulation. Neither is wrong, but
+# switching from padded batches of one document (the per-document mean, if the loss is averaged per sample)
+# to packing changes what is optimised.
+
+# %%
+with torch.no_grad():
+    packed_loss = tiny_lm(**packed, use_cache=False).loss.item()
+    per_doc = [tiny_lm(input_ids=torch.tensor([d]), labels=torch.tensor([d]), use_cache=False).loss.item()
+               for d in check_docs]
+weights = np.array([len(d) - 1 for d in check_docs])
+token_weighted = float(np.dot(per_doc, weights) / weights.sum())
+assert abs(packed_loss - token_weighted) < 1e-5, "the packed loss should be the token-weighted mean"
+pd.Series({"packed row's loss": packed_loss, "token-weighted mean of the documents' losses": token_weighted,
+           "plain mean of the documents' losses": float(np.mean(per_doc))}, name="loss (nats per token)").to_frame()
+
+# %% [markdown]
+# **What padding costs.** Now the three batchings of the same 24 documents (lengths drawn from a
+# long-tailed distribution, as real text is, up to 1,024 tokens; 8 short ones in the tiny profile) through
+# the 1.3B model, forward and backward in bf16: the whole set of batches is one timed call (10 repeats). The
+# number that matters is **useful tokens per second**: document tokens, not padding, per second.
+
+# %%
+ROW = prof.pick(tiny=32, full=1024)
+N_DOCS = prof.pick(tiny=8, full=24)
+doc_lens = np.clip(np.random.default_rng(1).lognormal(math.log(ROW / 5), 0.9, size=N_DOCS).astype(int), 8, ROW)
+docs = [np.random.default_rng(i).integers(100, 30000, size=n).tolist() for i, n in enumerate(doc_lens)]
+batchings = {
+    "padded (8 documents per batch)": packing.pad_batches(docs, 8),
+    "length-grouped (8 per batch)": packing.pad_batches(docs, 8, group_by_length=True),
+    f"packed (rows of {ROW}, 4 per batch)": packing.pack_rows(docs, ROW, 4),
+}
+n_useful = int(doc_lens.sum())
+
+
+def time_batching(model, batches):
+    batches = [{k: v.to(dev) for k, v in b.items()} for b in batches]
+
+    def epoch():
+        for b in batches:
+            with torch.autocast(dev, dtype=AMP, enabled=prof.on_gpu):
+                loss = model(**b, use_cache=False).loss
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    measure.reset_peak(dev)
+    t = timing.time_it(epoch, device=dev, warmup=1, repeat=REPEAT, busy=False)
+    peak = torch.cuda.max_memory_allocated() / MIB if prof.on_gpu else np.nan
+    return t, peak
+
+
+lm = models.build("polyglot-ko-1.3b", head="causal-lm").train()
+pack_timed, pack_rows_ = {}, {}
+for label, batches in batchings.items():
+    t, peak = time_batching(lm, batches)
+    pack_timed[label] = t
+    pack_rows_[label] = {"batches": len(batches), "token slots": packing.slots(batches),
+                         "padding (%)": 100 * (1 - n_useful / packing.slots(batches)),
+                         "time per pass (ms)": t.wall.median * 1e3, "IQR (ms)": t.wall.iqr * 1e3, "repeats": REPEAT,
+                         "useful tokens/s": n_useful / t.wall.median, "peak allocated (MiB)": peak}
+cleanup.free(globals(), "lm")
+pack_table = pd.DataFrame(pack_rows_).T
+pad_label, group_label, pack_label = list(batchings)
+for label in (group_label, pack_label):
+    note_finding(label.split(" (")[0], "polyglot-ko-1.3b", pack_timed, pad_label, label)
+pack_table
+
+# %%
+fig, ax = plt.subplots(figsize=(8, 3.2))
+y = np.arange(len(pack_table))
+ax.barh(y, pack_table["useful tokens/s"].astype(float) / 1e3, color=["C0", "C1", "C2"])
+for yi, (_, row) in zip(y, pack_table.iterrows()):
+    ax.text(row["useful tokens/s"] / 1e3, yi, f"  {row['padding (%)']:.0f}% padding", va="center")
+ax.set_yticks(y, pack_table.index)
+ax.invert_yaxis()
+ax.set_xlabel("useful tokens per second (thousands; forward + backward)")
+ax.set_xlim(right=ax.get_xlim()[1] * 1.25)
+ax.set_title(prof.pick(tiny="tiny GPT-NeoX (CPU): ", full="1.3B GPT-NeoX: ")
+             + f"most useful tokens per second with {pack_table['useful tokens/s'].astype(float).idxmax().split(' (')[0]} batches")
+fig.tight_layout()
+
+# %% tags=["remove-input"]
+if prof.on_gpu:
+    c_g = timing.compare(pack_timed, pad_label)
+    display(Markdown(
+        f"Padding to the longest document of each batch wastes {pack_table.loc[pad_label, 'padding (%)']:.0f}% of "
+        f"the token slots; with length grouping the share is {pack_table.loc[group_label, 'padding (%)']:.0f}%, with "
+        f"packing {pack_table.loc[pack_label, 'padding (%)']:.0f}%. In useful tokens per second, length grouping is "
+        f"{c_g[group_label]['speed-up']:.2f} times the padded batches ({c_g[group_label]['difference']}) and packing "
+        f"{c_g[pack_label]['speed-up']:.2f} times ({c_g[pack_label]['difference']}). Packing's rows carry a "
+        f"block-diagonal mask, so SDPA cannot use the flash kernel there (it takes no arbitrary mask) and falls back "
+        f"to a kernel that does; FlashAttention's variable-length interface "
+        f"(`attn_implementation=\"flash_attention_2\"` with the `flash-attn` package, not installed here) skips the "
+        f"mask entirely. Length grouping needs no change to the model, but makes batches less random: the "
+        f"`Trainer` groups within shuffled mega-batches for that reason."
+    ))
+else:
+    print("skipped on CPU: tokens per second of a tiny model on a CPU say little about a GPU")
+
+# %% [markdown]
+# ## 9.3 `torch.compile`
+#
+# `torch.compile(model)` traces the Python code of `forward` into graphs (TorchDynamo), derives the backward
+# graph ahead of time (AOTAutograd), and generates fused kernels for the element-wise and normalisation
+# parts with Triton (TorchInductor); matrix products still go to cuBLAS and attention to the SDPA kernels.
+# What it can buy: fewer passes over memory (fusion) and fewer kernel launches. What it costs: the
+# compilation itself, at the first call and again whenever a guard fails (a new shape, a new dtype), and
+# sometimes memory. Two modes are measured here:
+#
+# - `default`: fusion only;
+# - `reduce-overhead`: fusion, then the whole compiled graph is recorded as a CUDA graph and replayed,
+#   which removes launch overhead (section 9.4 does the same by hand).
+#
+# `max-autotune` also benchmarks several kernel variants per matrix product; it takes minutes per model,
+# more than this chapter's budget, so it is left to an exercise.
+#
+# Compiling bert-large whole is affordable. For the 1.3B model we use **regional compilation**: compile
+# each transformer layer (`layer.compile()`) instead of the model. All 24 layers run the same code, so
+# TorchDynamo compiles it once and reuses it; compile time is that of one layer, and the embeddings, the
+# final norm and the loss stay eager. Each model is timed eager first, then compiled, on the same weights
+# and batch; compile time is the first compiled step's time minus an eager step.
+
+# %%
+SETUPS = {
+    "bert-large-uncased": dict(head="sequence-classification", task="classification",
+                               seq_len=prof.pick(tiny=64, full=512), batch=prof.pick(tiny=4, full=16)),
+    "polyglot-ko-1.3b": dict(head="causal-lm", task="causal-lm",
+                             seq_len=prof.pick(tiny=64, full=256), batch=prof.pick(tiny=4, full=8)),
+}
+
+
+def build(name, **optimizer_kwargs):
+    """Model ``name`` (fp32 weights, seeded) and an AdamW for it."""
+    model = models.build(name, head=SETUPS[name]["head"], dtype=torch.float32).train()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-5, **optimizer_kwargs)
+
+
+def make_batch(name, batch_size, seq_len=None, seed=0):
+    ds = data.dummy_dataset(batch_size, seq_len or SETUPS[name]["seq_len"], task=SETUPS[name]["task"], seed=seed)
+    return {k: v.to(dev) for k, v in ds[:].items()}
+
+
+def make_step(model, optimizer, batch, *, new_graph_step=False):
+    """One training step with its phases marked, bf16 autocast on GPUs (chapter 8's step)."""
+    def step():
+        if new_graph_step:  # reduce-overhead: tell the CUDA-graph trees that a new training step begins
+            torch.compiler.cudagraph_mark_step_begin()
+        with record_function("forward"), torch.autocast(dev, dtype=AMP, enabled=prof.on_gpu):
+            loss = model(**batch).loss
+        with record_function("backward"):
+            loss.backward()
+        with record_function("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def compile_runs(name, how, modes, budget_s):
+    """Eager, then each compile mode, on one model: timings, peaks, compile seconds, graph counters."""
+    from torch._dynamo.utils import counters
+
+    model, optimizer = build(name)
+    batch = make_batch(name, SETUPS[name]["batch"])
+    measure.reset_peak(dev)
+    timed = {"eager": timing.time_it(make_step(model, optimizer, batch), device=dev)}
+    info = {"eager": {"peak allocated (GiB)": torch.cuda.max_memory_allocated() / 2**30}}
+    for mode in modes:
+        label = f"compiled ({how}, {mode})"
+        if seconds_left() < budget_s[mode]:
+            info[label] = {"note": "skipped: not enough of the chapter's time budget left"}
+            continue
+        counters.clear()
+        try:
+            if how == "whole model":
+                target = torch.compile(model, mode=mode)
+            else:
+                for layer in model.gpt_neox.layers:
+                    layer.compile(mode=mode)
+                target = model
+            step = make_step(target, optimizer, batch, new_graph_step=mode == "reduce-overhead")
+            measure.synchronize(dev)
+            t0 = time.perf_counter()
+            step()
+            measure.synchronize(dev)
+            first_s = time.perf_counter() - t0
+            measure.reset_peak(dev)
+            timed[label] = timing.time_it(step, device=dev)
+        except Exception as err:  # a compile that fails is a result too
+            info[label] = {"note": f"failed: {type(err).__name__}: {str(err).splitlines()[0][:120]}"}
+            continue
+        info[label] = {"peak allocated (GiB)": torch.cuda.max_memory_allocated() / 2**30,
+                       "compile time (s)": first_s - timed["eager"].wall.median,
+                       "graphs compiled": counters["stats"]["unique_graphs"],
+                       "graph breaks": sum(counters["graph_break"].values())}
+    return timed, info
+
+
+compiled = {}
+if prof.on_gpu:
+    compiled["bert-large-uncased"] = compile_runs("bert-large-uncased", "whole model", ["default", "reduce-overhead"],
+                                                  {"default": 75, "reduce-overhead": 60})
+else:
+    print("skipped on CPU: compiling takes minutes on a small CPU and its speed-ups are a GPU matter")
+
+# %%
+if prof.on_gpu:
+    compiled["polyglot-ko-1.3b"] = compile_runs("polyglot-ko-1.3b", "per layer", ["default"], {"default": 45})
+
+
+def compile_table(results):
+    rows = {}
+    for name, (timed, info) in results.items():
+        cmp = timing.compare(timed, "eager")
+        for label in info:
+            row = dict(info[label])
+            if label in timed:
+                t = timed[label]
+                row.update({"step median (ms)": t.wall.median * 1e3, "IQR (ms)": t.wall.iqr * 1e3,
+                            "GPU busy": t.gpu_busy, "kernels per step": t.kernels_per_call,
+                            "speed-up vs eager": cmp[label]["speed-up"], "verdict": cmp[label]["difference"]})
+            rows[(name, label)] = row
+    cols = ["step median (ms)", "IQR (ms)", "speed-up vs eager", "verdict", "GPU busy", "kernels per step",
+            "peak allocated (GiB)", "compile time (s)", "graphs compiled", "graph breaks", "note"]
+    table = pd.DataFrame(rows).T
+    return table[[c for c in cols if c in table.columns]].rename_axis(["model", "variant"])
+
+
+if compiled:
+    for name, (timed, _) in compiled.items():
+        for label in timed:
+            if label != "eager":
+                note_finding(f"torch.compile, {label.split('(')[1].rstrip(')')}", name, timed, "eager", label)
+    compile_tab = compile_table(compiled)
+    torch._dynamo.reset()  # compiled code can keep its model alive; the results are all in the tables now
+    cleanup.collect()
+    display(compile_tab)
+
+# %% [markdown]
+# Where did the time go? The profiler's category table of each variant (GPU time per step, milliseconds):
+
+# %%
+if compiled:
+    cat_frames = {(name[:10], label.replace("compiled ", "")): t.profile.categories().iloc[:, 0]
+                  for name, (timed, _) in compiled.items() for label, t in timed.items()}
+    compile_cats = pd.DataFrame(cat_frames).fillna(0.0)
+    display(compile_cats.rename_axis("GPU time per step (ms)"))
+
+# %%
+if compiled:
+    tab = compile_tab.dropna(subset=["step median (ms)"])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+    labels = [f"{m.split('-')[0]}\n{v.replace('compiled ', '')}" for m, v in tab.index]
+    y = np.arange(len(tab))
+    ax1.barh(y, tab["step median (ms)"].astype(float), xerr=tab["IQR (ms)"].astype(float),
+             color=["C0" if v == "eager" else "C1" for _, v in tab.index])
+    ax1.set_yticks(y, labels)
+    ax1.invert_yaxis()
+    ax1.set_xlabel("training step (ms, median of 10, IQR as error bar)")
+    ax1.set_title("training step: eager against compiled")
+    busy = tab["GPU busy"].astype(float) * 100
+    ax2.barh(y, busy, color=["C0" if v == "eager" else "C1" for _, v in tab.index])
+    ax2.set_yticks(y, labels)
+    ax2.invert_yaxis()
+    ax2.set_xlim(0, 105)
+    ax2.set_xlabel("GPU busy (% of the step)")
+    ax2.set_title("how much of the step the GPU worked")
+    fig.suptitle(f"torch.compile in bf16: bert-large (batch {SETUPS['bert-large-uncased']['batch']} x "
+                 f"{SETUPS['bert-large-uncased']['seq_len']}), 1.3B GPT-NeoX (batch "
+                 f"{SETUPS['polyglot-ko-1.3b']['batch']} x {SETUPS['polyglot-ko-1.3b']['seq_len']})")
+    fig.tight_layout()
+
+# %% tags=["remove-input"]
+if compiled:
+    lines = []
+    for name, (timed, info) in compiled.items():
+        cmp = timing.compare(timed, "eager")
+        e = timed["eager"]
+        for label, row in info.items():
+            if label == "eager":
+                continue
+            if label not in timed:
+                lines.append(f"- **{name}, {label}**: {row['note']}.")
+                continue
+            t, c = timed[label], cmp[label]
+            change = (f"{abs(1 - t.wall.median / e.wall.median):.0%} {'faster' if c['difference'] == 'faster' else 'slower'}"
+                      if c["difference"] != "within the noise" else "no faster or slower beyond the noise")
+            cats_e = compile_cats[(name[:10], "eager")]
+            cats_c = compile_cats[(name[:10], label.replace("compiled ", ""))]
+            ew = "element-wise / normalisation"
+            lines.append(
+                f"- **{name}, {label}**: compiling took {row['compile time (s)']:.0f} s; the step is {change} "
+                f"({t.wall.median * 1e3:.1f} ms, IQR {t.wall.iqr * 1e3:.1f}, against {e.wall.median * 1e3:.1f} ms, "
+                f"IQR {e.wall.iqr * 1e3:.1f}). GPU busy {t.gpu_busy:.0%} (eager {e.gpu_busy:.0%}); "
+                f"{t.kernels_per_call:,} GPU operations per step (eager {e.kernels_per_call:,}); element-wise and "
+                f"normalisation kernels {cats_c.get(ew, 0):.1f} ms (eager {cats_e.get(ew, 0):.1f} ms); peak "
+                f"{row['peak allocated (GiB)']:.2f} GiB (eager {info['eager']['peak allocated (GiB)']:.2f} GiB); "
+                f"{row['graphs compiled']} graph(s), {row['graph breaks']} graph break(s).")
+            if c["difference"] != "faster" and e.verdict == "GPU-bound":
+                lines.append(
+                    "  The eager step was already GPU-bound, so launch savings cannot help, and the time is in matrix "
+                    "products and attention kernels that compilation does not replace.")
+    display(Markdown("\n".join(lines)))
+else:
+    print("skipped on CPU: no compilation ran")
+
+# %% [markdown]
+# **Reading the run above.** Three things to check in the tables, beyond the verdicts:
+#
+# - *The attention row of bert-large.* If the compiled step shows no time in attention kernels while its GEMM
+#   row grew (and its peak memory with it), attention did not run in a fused kernel under compilation but as
+#   batched matrix products and a softmax that store the *s* × *s* matrix: the slow path of section 9.1. Section
+#   9.4 checks the same question inside a CUDA graph. transformers treats compilation and graph capture alike
+#   as *tracing* (`transformers.utils.import_utils.is_tracing`) and takes code paths there that avoid host-side
+#   checks, which is where to look first; the kernel names, not the speed-up alone, tell which attention ran.
+# - *The warning printed by the 1.3B model's per-layer compile.* The config's `use_cache=True` makes the model
+#   build a key-value cache even in a training step and hand it to every layer; each layer's cache entry
+#   becomes a guard, so every layer triggers a recompilation, and after
+#   `torch._dynamo.config.recompile_limit` (8) compilations TorchDynamo runs the remaining layers eagerly. The
+#   *graphs compiled* column shows how many layers were compiled. Call the model with `use_cache=False` (as
+#   section 9.2 does for packing) before compiling per layer; then one compilation serves all 24 layers.
+# - *Skipped rows.* A mode marked "skipped" did not fit the chapter's time budget after the compile times
+#   above; run the cell again with a larger `COMPILE_DEADLINE_S` to measure it.
+
+# %% [markdown]
+# **Recompilation when the sequence length changes.** A compiled graph is specialised to its input shapes
+# and protected by *guards*; a call whose shapes fail the guards compiles again. With `dynamic=False` every
+# new sequence length compiles a new graph; by default (`dynamic=None`) the first change triggers one
+# recompilation that marks the changed dimension as symbolic ("automatic dynamic shapes"), and later lengths
+# reuse it; `dynamic=True` compiles a symbolic graph from the start. Counted here on one bert-large layer
+# (forward only, to keep compile times short) with TorchDynamo's compile counter:
+#
+# ```python
+# counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+# layer_c = torch.compile(layer, backend=counter, dynamic=False)
+# ... counter.frame_count   # graphs compiled so far
+# ```
+
+# %%
+recompiles = None
+if not prof.on_gpu:
+    print("skipped on CPU: compiling takes minutes on a small CPU")
+elif seconds_left() < 30:
+    print("skipped: not enough of the chapter's time budget left for six more compilations")
+else:
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    layer_cfg = models.config("bert-large-uncased")
+    layer = BertLayer(layer_cfg).to(dev).eval()
+    rows = {}
+    try:
+        for dynamic in (False, None, True):
+            torch._dynamo.reset()
+            counter = CompileCounterWithBackend("inductor")
+            layer_c = torch.compile(layer, backend=counter, dynamic=dynamic)
+            for s in (128, 256, 512):
+                x = torch.randn(8, s, layer_cfg.hidden_size, device=dev)
+                with torch.no_grad(), torch.autocast("cuda", dtype=AMP):
+                    before = counter.frame_count
+                    measure.synchronize(dev)
+                    t0 = time.perf_counter()
+                    layer_c(x)
+                    measure.synchronize(dev)
+                rows[(f"dynamic={dynamic}", s)] = {"compiled a graph": counter.frame_count > before,
+                                                   "first call (s)": time.perf_counter() - t0,
+                                                   "graphs so far": counter.frame_count}
+        recompiles = pd.DataFrame(rows).T.rename_axis(["setting", "seq len"])
+    except Exception as err:  # a compiler that cannot run here is a result too
+        print(f"compilation failed: {type(err).__name__}: {str(err).splitlines()[0][:120]}")
+    torch._dynamo.reset()
+    cleanup.free(globals(), "layer", "layer_c", "x")
+    if recompiles is not None:
+        display(recompiles)
+
+# %% tags=["remove-input"]
+if recompiles is not None:
+    n = recompiles["compiled a graph"].astype(bool).groupby(level="setting").sum()
+    cost = recompiles.loc[recompiles["compiled a graph"].astype(bool), "first call (s)"].astype(float)
+    display(Markdown(
+        f"Of the three lengths, {n['dynamic=False']} triggered a compilation with `dynamic=False`, {n['dynamic=None']} by "
+        f"default and {n['dynamic=True']} with `dynamic=True`; a call that compiled took {cost.min():.1f} to "
+        f"{cost.max():.1f} s, one that did not a fraction of a second. (The last column counts TorchDynamo's graphs: "
+        f"one compilation of a layer can produce several, where the code breaks the graph.) With variable-length "
+        f"batches, either pad to a few fixed lengths (buckets) and accept one compilation per bucket, or let "
+        f"automatic dynamic shapes settle after the first change. "
+        f"`TORCH_LOGS=recompiles` prints the failing guard of every recompilation, and TorchDynamo stops "
+        f"recompiling a function after `torch._dynamo.config.cache_size_limit` graphs (8 by default) and runs it "
+        f"eagerly from then on, silently slower."
+    ))
+
+# %% [markdown]
+# ## 9.4 CUDA graphs for a host-bound step
+#
+# Chapter 8 found bert-large at batch 4 host-bound: the CPU needs longer to launch the step's thousands of
+# kernels than the GPU needs to run them. A CUDA graph records the step once and replays it with one launch
+# (chapter 8 showed the recipe: a capturable AdamW, static inputs, warm-up on a side stream). Chapter 8 also
+# saw that under capture no kernel had an attention kernel's name. Here we ask which SDPA backend runs inside
+# a captured step, by reading the kernel names in the profile, first on a bare SDPA call (bert-large's
+# attention shape: batch 4, 16 heads, 512 tokens, head dimension 64) with and without dropout, then on the
+# model.
+
+# %%
+def attention_kernels(p):
+    """Which attention implementation a profile's kernels show: cuDNN, flash, memory-efficient or none."""
+    names = " ".join(p.gpu_events["name"].unique())
+    for label, pattern in (("cuDNN", r"cudnn"), ("flash", r"flash"), ("memory-efficient", r"fmha|efficient|mem_eff")):
+        if pd.Series([names]).str.contains(pattern, case=False).iloc[0]:
+            return label
+    return "none (math: batched GEMMs and softmax)"
+
+
+def captured(fn, warmup=3, before_capture=None):
+    """Capture ``fn`` into a CUDA graph after a side-stream warm-up (chapter 8's recipe); return the graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    if before_capture is not None:
+        before_capture()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+sdpa_probe = None
+if profiles.cuda_or_skip("CUDA graphs need a GPU"):
+    q, k, v = qkv(4, 16, 512, 64, AMP)
+    rows = {}
+    for p_drop in (0.0, 0.1):
+        def fwd_bwd(p_drop=p_drop):
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p_drop)
+            out.backward(torch.ones_like(out))
+        rows[(p_drop, "eager")] = attention_kernels(profiler.profile(fwd_bwd, device=dev))
+        try:
+            graph = captured(fwd_bwd)
+            rows[(p_drop, "CUDA graph")] = attention_kernels(profiler.profile(graph.replay, device=dev))
+            del graph
+        except RuntimeError as err:
+            rows[(p_drop, "CUDA graph")] = f"capture failed: {str(err).splitlines()[0][:80]}"
+    sdpa_probe = pd.Series(rows, name="attention kernel seen").to_frame().rename_axis(["dropout", "run"])
+    cleanup.free(globals(), "q", "k", "v")
+    display(sdpa_probe)
+
+# %% [markdown]
+# Now the whole bert-large step at batch 4: eager, then replayed from a CUDA graph; and, to test what the
+# bare call suggests, the same graph with the attention dropout set to 0 (`attention_probs_dropout_prob`;
+# the other dropouts stay).
+
+# %%
+def graph_runs(batch_size):
+    model, optimizer = build("bert-large-uncased")
+    batch = make_batch("bert-large-uncased", batch_size)
+    out = {"eager": timing.time_it(make_step(model, optimizer, batch), device=dev)}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, capturable=True)
+
+    def step_for_graph():
+        with torch.autocast("cuda", dtype=AMP, cache_enabled=False):
+            loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+
+    for label, p_attn in (("CUDA graph", None), ("CUDA graph, attention dropout 0", 0.0)):
+        if p_attn is not None:
+            for m in model.modules():
+                if type(m).__name__ == "BertSelfAttention":
+                    m.dropout.p = p_attn
+        try:  # the graph allocates the gradients itself: drop the warm-up's before capturing
+            graph = captured(step_for_graph, before_capture=lambda: optimizer.zero_grad(set_to_none=True))
+            out[label] = timing.time_it(graph.replay, device=dev)
+            del graph
+        except RuntimeError as err:
+            out[label] = f"capture failed: {str(err).splitlines()[0][:100]}"
+    return out
+
+
+graph_result = None
+if profiles.cuda_or_skip("CUDA graphs need a GPU"):
+    graph_result = graph_runs(4)
+    g_timed = {k: v for k, v in graph_result.items() if isinstance(v, timing.Timed)}
+    graph_table = pd.DataFrame({k: t.summary() for k, t in g_timed.items()}).T
+    graph_table["attention kernel"] = pd.Series({k: attention_kernels(t.profile) for k, t in g_timed.items()})
+    graph_table["vs eager"] = pd.Series({k: f"{v['speed-up']:.2f}x, {v['difference']}"
+                                         for k, v in timing.compare(g_timed, "eager").items()})
+    for k in g_timed:
+        if k != "eager":
+            note_finding(k, "bert-large-uncased (batch 4)", g_timed, "eager", k)
+    display(graph_table[["wall median (ms)", "wall IQR (ms)", "GPU busy", "host enqueue median (ms)",
+                         "GPU ops per call", "attention kernel", "vs eager"]])
+    for k, v in graph_result.items():
+        if isinstance(v, str):
+            print(f"{k}: {v}")
+
+# %% tags=["remove-input"]
+if graph_result and "CUDA graph" in g_timed:
+    e, g = g_timed["eager"], g_timed["CUDA graph"]
+    c = timing.compare({"eager": e, "graph": g}, "eager")["graph"]
+    text = (f"Replayed from a graph, the step takes {g.wall.median * 1e3:.1f} ms (IQR {g.wall.iqr * 1e3:.2f}) against "
+            f"{e.wall.median * 1e3:.1f} ms (IQR {e.wall.iqr * 1e3:.1f}) eager: {c['speed-up']:.2f} times the speed "
+            f"({c['difference']}); the GPU is busy {g.gpu_busy:.0%} of the time instead of {e.gpu_busy:.0%}. ")
+    att_e, att_g = graph_table.loc["eager", "attention kernel"], graph_table.loc["CUDA graph", "attention kernel"]
+    text += f"Eager, attention runs in the **{att_e}** kernel; inside the graph, **{att_g}**. "
+    if sdpa_probe is not None:
+        probe = sdpa_probe["attention kernel seen"]
+        drop_changes = probe[(0.1, "CUDA graph")] != probe[(0.1, "eager")]
+        nodrop_same = probe[(0.0, "CUDA graph")] == probe[(0.0, "eager")]
+        if drop_changes and nodrop_same:
+            text += ("The bare SDPA call shows why: without dropout, the captured call uses the same kernel as the "
+                     "eager one; with dropout, capture changes the kernel. In this PyTorch, the fused kernels' "
+                     "dropout is not used under graph capture here, and SDPA falls back. ")
+        elif not drop_changes and nodrop_same:
+            text += "The bare SDPA call uses the same kernel eager and captured, with and without dropout. "
+    if "CUDA graph, attention dropout 0" in g_timed:
+        g0 = g_timed["CUDA graph, attention dropout 0"]
+        att_0 = graph_table.loc["CUDA graph, attention dropout 0", "attention kernel"]
+        c0 = timing.compare({"graph": g, "graph0": g0}, "graph")["graph0"]
+        text += (f"With the attention dropout at 0 the captured step uses **{att_0}** and takes "
+                 f"{g0.wall.median * 1e3:.1f} ms ({c0['speed-up']:.2f} times the graph with dropout, {c0['difference']}). ")
+    text += ("Fine-tuning recipes often set attention dropout to 0 anyway; if yours needs it, check the kernel names "
+             "after capturing, as here.")
+    display(Markdown(text))
+elif graph_result:
+    print("the capture failed on this setup; see the message above")
+
+# %% [markdown]
+# When the bare SDPA call keeps its fused kernel under capture but the model's attention does not, the
+# capture did not change SDPA's choice: the model's code took a different path while capturing (see the
+# note on tracing in section 9.3). Whatever the cause, the graph's speed-up comes from removing launch
+# overhead, and a step whose attention falls back to the math path also pays its *s* × *s* memory: check the
+# kernel names after capturing.
+
+# %%
+cleanup.collect()
+
+# %% [markdown]
+# ## 9.5 Data loading
+#
+# Everything so far fed the model a batch that was already on the GPU. A real input pipeline reads,
+# tokenises and collates on the CPU, and by default (`num_workers=0`) it does so in the training process,
+# between steps, while the GPU waits. The symptom is the one chapter 8 taught: a GPU-busy fraction below
+# what the step alone reaches. The fixes:
+#
+# - `num_workers=N`: N worker processes prepare batches in parallel with training, each keeping
+#   `prefetch_factor` (default 2) batches ready;
+# - `pin_memory=True`: batches are copied into page-locked host memory, from which the GPU can copy
+#   asynchronously, so `tensor.to("cuda", non_blocking=True)` returns at once and the copy overlaps;
+# - `persistent_workers=True`: the workers survive the end of an epoch instead of being started again.
+#
+# `data.TokenizingDataset` does real CPU work per sample: it builds a pseudo-text and tokenises it with a
+# pure-Python greedy sub-word matcher, as an on-the-fly tokenizer would. Its cost per sample here:
+
+# %%
+tok_ds = data.TokenizingDataset(prof.pick(tiny=640, full=1024), seq_len=128, words=prof.pick(tiny=50, full=300))
+t_sample = timing.time_it(lambda: tok_ds[0], device="cpu", warmup=2, repeat=10)
+print(f"one sample: {t_sample.wall.median * 1e3:.2f} ms (IQR {t_sample.wall.iqr * 1e3:.2f}) of CPU time; "
+      f"a batch of 32: about {32 * t_sample.wall.median * 1e3:.0f} ms")
+
+# %% [markdown]
+# The training step: bert-large, batch 32 of 128 tokens, bf16. Each timed call fetches the next batch from
+# the loader, copies it to the GPU and runs the step (`time_it`, 10 repeats, GPU-busy from the profiler).
+# The last column is the wait for the first batch of a new epoch: worker start-up, which persistent workers
+# pay once.
+
+# %%
+LOADERS = {
+    "num_workers=0": dict(num_workers=0),
+    "num_workers=2": dict(num_workers=2),
+    "num_workers=4": dict(num_workers=4),
+    "num_workers=4, pin_memory, non_blocking": dict(num_workers=4, pin_memory=True),
+    "… and persistent_workers": dict(num_workers=4, pin_memory=True, persistent_workers=True),
+}
+
+
+def loader_run(model, optimizer, kwargs):
+    loader = torch.utils.data.DataLoader(tok_ds, batch_size=32, **kwargs)
+    pinned = kwargs.get("pin_memory", False)
+    it = iter(loader)
+
+    def fetch_and_step():
+        batch = {k: v.to(dev, non_blocking=pinned) for k, v in next(it).items()}
+        make_step(model, optimizer, batch)()
+
+    t = timing.time_it(fetch_and_step, device=dev, warmup=3, repeat=10)
+    it = None  # this epoch's iterator (and its workers, unless persistent) ends here
+    t0 = time.perf_counter()
+    next(iter(loader))  # a new epoch: how long until its first batch?
+    return t, time.perf_counter() - t0
+
+
+load_timed, first_batch_s = {}, {}
+if profiles.cuda_or_skip("an input stall means a GPU waiting; on a CPU the workers compete with the model"):
+    model, optimizer = build("bert-large-uncased")
+    for label, kwargs in LOADERS.items():
+        load_timed[label], first_batch_s[label] = loader_run(model, optimizer, kwargs)
+    cleanup.free(globals(), "model", "optimizer")
+    load_table = pd.DataFrame({k: t.summary() for k, t in load_timed.items()}).T
+    load_table["vs num_workers=0"] = pd.Series({k: f"{v['speed-up']:.2f}x, {v['difference']}" for k, v in
+                                                timing.compare(load_timed, "num_workers=0").items()})
+    load_table["first batch of an epoch (ms)"] = pd.Series(first_batch_s) * 1e3
+    for k in list(LOADERS)[1:]:
+        note_finding(k, "bert-large-uncased (batch 32 x 128)", load_timed, "num_workers=0", k)
+    display(load_table[["wall median (ms)", "wall IQR (ms)", "GPU busy", "host enqueue median (ms)",
+                        "vs num_workers=0", "first batch of an epoch (ms)"]])
+
+# %%
+if load_timed:
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 3.6))
+    y = np.arange(len(load_table))
+    ax1.barh(y, load_table["wall median (ms)"].astype(float), xerr=load_table["wall IQR (ms)"].astype(float), color="C0")
+    ax1.set_yticks(y, load_table.index)
+    ax1.invert_yaxis()
+    ax1.set_xlabel("fetch + training step (ms, median of 10, IQR as error bar)")
+    ax1.set_title("step time with the input pipeline")
+    ax2.barh(y, load_table["GPU busy"].astype(float) * 100, color="C2")
+    ax2.set_yticks(y, [""] * len(y))
+    ax2.invert_yaxis()
+    ax2.set_xlim(0, 105)
+    ax2.set_xlabel("GPU busy (% of the step)")
+    ax2.set_title("GPU busy, by loader setting")
+    fig.suptitle("bert-large, batch 32 x 128, tokenised on the fly")
+    fig.tight_layout()
+
+# %% tags=["remove-input"]
+if load_timed:
+    t0_, t4_ = load_timed["num_workers=0"], load_timed["num_workers=4"]
+    c4 = timing.compare(load_timed, "num_workers=0")
+    pin_label = "num_workers=4, pin_memory, non_blocking"
+    display(Markdown(
+        f"In the training process (`num_workers=0`) a step with its batch takes {t0_.wall.median * 1e3:.0f} ms and the GPU "
+        f"is busy {t0_.gpu_busy:.0%} of it: about {32 * t_sample.wall.median * 1e3:.0f} ms of tokenising sit on the "
+        f"critical path. With four workers the step takes {t4_.wall.median * 1e3:.0f} ms ({c4['num_workers=4']['difference']}, "
+        f"{c4['num_workers=4']['speed-up']:.2f} times the speed) and the GPU is busy {t4_.gpu_busy:.0%}. Pinned memory "
+        f"with `non_blocking` copies: {c4[pin_label]['speed-up']:.2f} times ({c4[pin_label]['difference']}); a batch of "
+        f"32 x 128 token ids and its mask is 64 KiB, a copy of microseconds, so pinning has little to save here. A new epoch waits "
+        f"{first_batch_s['num_workers=4'] * 1e3:.0f} ms for its first batch with four fresh workers and "
+        f"{first_batch_s['… and persistent_workers'] * 1e3:.0f} ms with persistent ones. **Rule of thumb**: if the GPU-busy "
+        f"fraction rises when the batch comes from a list of tensors already on the GPU instead of the loader, the "
+        f"pipeline is the bottleneck; add workers until the step time stops falling, and no more than the CPU cores "
+        f"free of other work."
+    ))
+
+# %%
+cleanup.free(globals(), "tok_ds")
+
+# %% [markdown]
+# ## 9.6 The free wins, measured
+#
+# The one-line changes that the guides recommend (the Hugging Face single-GPU guide, the "simple ways to
+# speed up PyTorch" post), each timed against its own baseline on the same model: bert-large, batch 8 of 512
+# tokens, bf16 autocast.
+#
+# - **AdamW implementation**: `foreach` (PyTorch's default on GPUs: one kernel per operation over lists of
+#   tensors), a plain loop over the parameters (`foreach=False`), and `fused=True` (one kernel for the whole
+#   update; chapters 5 and 8);
+# - **`zero_grad(set_to_none=False)`**: writes zeros into the gradients instead of dropping them (the
+#   default, `set_to_none=True`, saves a memset per parameter and lets the backward pass allocate afresh);
+# - **TF32**: `torch.backends.cuda.matmul.allow_tf32 = True` runs fp32 matrix products on the tensor cores
+#   with a 10-bit mantissa (compute capability 8.0 and newer). It changes nothing for products that autocast
+#   already runs in 16 bits, so it is measured on an fp32 step;
+# - **aligned shapes**: the masked-LM head of BERT maps hidden states to the 30,522-word vocabulary;
+#   padding the vocabulary to 30,528 (a multiple of 64) lets the tensor cores tile the product evenly
+#   (chapter 5). Timed as that product, forward and backward.
+
+# %%
+def free_wins(batch_size=8):
+    timed, notes = {}, {}
+    model = build("bert-large-uncased")[0]
+    batch = make_batch("bert-large-uncased", batch_size)
+    for label, kw in (("AdamW foreach (default)", {"foreach": True}), ("AdamW for-loop", {"foreach": False}),
+                      ("AdamW fused", {"fused": True})):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, **kw)
+        timed[label] = timing.time_it(make_step(model, optimizer, batch), device=dev, warmup=WARMUP, repeat=REPEAT)
+        del optimizer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+
+    def step_zero():
+        with torch.autocast(dev, dtype=AMP, enabled=prof.on_gpu):
+            loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+
+    timed["zero_grad(set_to_none=False)"] = timing.time_it(step_zero, device=dev, warmup=WARMUP, repeat=REPEAT)
+    if cap is not None and cap.tf32:
+        def fp32_step():
+            model(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        old = torch.backends.cuda.matmul.allow_tf32
+        for label, flag in (("fp32 step, TF32 off", False), ("fp32 step, TF32 on", True)):
+            torch.backends.cuda.matmul.allow_tf32 = flag
+            timed[label] = timing.time_it(fp32_step, device=dev)
+        torch.backends.cuda.matmul.allow_tf32 = old
+    else:
+        notes["TF32"] = "skipped: TF32 needs compute capability 8.0 or newer" if cap else "skipped on CPU: TF32 is a GPU feature"
+    return timed, notes
+
+
+VOCABS = prof.pick(tiny=(2042, 2048), full=(30522, 30528))  # the real vocabulary and the next multiple of 64
+
+
+def aligned_shapes(batch_size=8):
+    """The masked-LM head's product, forward and backward, with the real and a padded vocabulary."""
+    timed = {}
+    tokens = batch_size * SETUPS["bert-large-uncased"]["seq_len"]
+    dt = AMP if prof.on_gpu else torch.float32
+    hidden = models.config("bert-large-uncased").hidden_size
+    x = torch.randn(tokens, hidden, device=dev, dtype=dt, requires_grad=True)
+    for vocab in VOCABS:
+        w = torch.randn(vocab, hidden, device=dev, dtype=dt, requires_grad=True)
+        timed[f"vocabulary {vocab}"] = timing.time_it(lambda w=w: (x @ w.T).sum().backward(), device=dev, warmup=WARMUP, repeat=REPEAT)
+    return timed
+
+
+wins_timed, wins_notes = free_wins()
+wins_timed.update(aligned_shapes())
+pairs = [("AdamW foreach (default)", "AdamW for-loop"), ("AdamW foreach (default)", "AdamW fused"),
+         ("AdamW foreach (default)", "zero_grad(set_to_none=False)"), ("fp32 step, TF32 off", "fp32 step, TF32 on"),
+         (f"vocabulary {VOCABS[0]}", f"vocabulary {VOCABS[1]}")]
+win_rows = {}
+for base, var in pairs:
+    if base in wins_timed and var in wins_timed:
+        c = note_finding(var, "bert-large-uncased (batch 8 x 512)", wins_timed, base, var)
+        b, v = wins_timed[base], wins_timed[var]
+        win_rows[var] = {"baseline": base, "baseline median (ms)": b.wall.median * 1e3, "baseline IQR (ms)": b.wall.iqr * 1e3,
+                         "median (ms)": v.wall.median * 1e3, "IQR (ms)": v.wall.iqr * 1e3,
+                         "GPU busy": v.gpu_busy, "speed-up": c["speed-up"], "verdict": c["difference"]}
+wins_table = pd.DataFrame(win_rows).T.rename_axis("change")
+for k, v in wins_notes.items():
+    print(f"{k}: {v}")
+wins_table if prof.on_gpu else print(f"skipped on CPU: each variant ran {REPEAT} times to check the code; "
+                                     f"their speed-ups are GPU matters")
+
+# %% tags=["remove-input"]
+if prof.on_gpu and len(wins_table):
+    w = wins_table
+    parts = [f"{k}: {row['speed-up']:.2f} times ({row['verdict']})" for k, row in w.iterrows()]
+    slower = [k for k, row in w.iterrows() if row["verdict"] == "slower"]
+    noise = [k for k, row in w.iterrows() if row["verdict"] == "within the noise"]
+    display(Markdown(
+        "Against each baseline: " + "; ".join(parts) + ". "
+        + (f"Slower than its baseline: {', '.join(slower)}. " if slower else "")
+        + (f"Within the noise, so not a win here: {', '.join(noise)}. " if noise else "")
+        + "A change to the optimizer shows only where the optimizer is a visible share of the step (chapter 8's "
+          "category table); TF32 only where fp32 matrix products remain."
+    ))
+else:
+    print("skipped on CPU: no GPU timings to compare")
+
+# %% [markdown]
+# ## 9.7 Summary: the fast path
+#
+# Every measured before/after comparison of this chapter, with the median and IQR of each side and the
+# verdict of `timing.compare` (a difference smaller than the larger IQR is "within the noise"):
+
+# %%
+closing = pd.DataFrame(findings).set_index(["technique", "model"]) if findings else pd.DataFrame()
+closing
+
+# %% tags=["remove-input"]
+if prof.on_gpu and len(closing):
+    slower = closing[closing["verdict"] == "slower"]
+    noise = closing[closing["verdict"] == "within the noise"]
+    faster = closing[closing["verdict"] == "faster"]
+    ctimes = []
+    for name, (_, info) in compiled.items():
+        for label, row in info.items():
+            if "compile time (s)" in row:
+                ctimes.append(f"{name}, {label}: {row['compile time (s)']:.0f} s")
+    display(Markdown(
+        f"{len(faster)} of the {len(closing)} changes made the step faster beyond the noise, {len(noise)} were within "
+        f"the noise and {len(slower)} made it slower"
+        + (": " + "; ".join(f"{t} on {m} ({r['speed-up']:.2f} times)" for (t, m), r in slower.iterrows()) if len(slower) else "")
+        + ". " + (f"Compile times: {'; '.join(ctimes)}." if ctimes else "")
+    ))
+else:
+    print("skipped on CPU: the closing comparison needs GPU timings")
+
+# %% [markdown]
+# ### The checklist, in the order to try things
+#
+# 1. **Measure first** (chapter 8): median and IQR of ≥ 10 steps, GPU-busy fraction, category table.
+# 2. **GPU idle between steps?** Look at the input pipeline: `num_workers` > 0, `pin_memory=True` with
+#    `non_blocking=True`, persistent workers (section 9.5).
+# 3. **Fused attention**: `attn_implementation="sdpa"` (the default in transformers) and no mask you do
+#    not need; check which backend runs on your GPU and dtype (section 9.1). On long sequences this is
+#    also the largest memory saving.
+# 4. **Stop computing padding**: length grouping, or packing with restarting position ids (section 9.2).
+# 5. **Free wins**: fused AdamW, bf16 autocast (TF32 for any fp32 products), shapes in multiples of 64
+#    (section 9.6); keep those that measure faster.
+# 6. **Host-bound?** A larger batch first (chapter 3); then CUDA graphs, by hand or through
+#    `torch.compile(mode="reduce-overhead")` (sections 9.3, 9.4).
+# 7. **`torch.compile`** last, because it costs compile time and recompiles on new shapes: measure the
+#    steady state *and* the compile time against the length of your run; compile per layer to cut the
+#    compile time (section 9.3).
+#
+# ### Use it in your own script
+#
+# ```python
+# import torch
+# from torch.nn.attention import SDPBackend, sdpa_kernel
+#
+# model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
+# loader = torch.utils.data.DataLoader(ds, batch_size=32, num_workers=4, pin_memory=True,
+#                                      persistent_workers=True)
+# optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+# torch.backends.cuda.matmul.allow_tf32 = True              # fp32 products on tensor cores (Ampere+)
+# for layer in model.model.layers:                          # regional compilation: one layer's compile time
+#     layer.compile()
+# for batch in loader:
+#     batch = {k: v.to("cuda", non_blocking=True) for k, v in batch.items()}
+#     with torch.autocast("cuda", dtype=torch.bfloat16):
+#         loss = model(**batch).loss
+#     loss.backward()
+#     optimizer.step()
+#     optimizer.zero_grad(set_to_none=True)
+#
+# with sdpa_kernel(SDPBackend.FLASH_ATTENTION):             # insist on a backend (raises if it cannot run)
+#     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+# ```
+#
+# For packing, the Hugging Face `DataCollatorWithFlattening` builds rows with restarting position ids like
+# section 9.2's; call the model with `use_cache=False` and check the boundaries once, as section 9.2 does.
+#
+# ## Exercises
+#
+# 1. Run section 9.1's sweep with `TOKENS` four times larger. Which implementation runs out of memory first,
+#    and at which length?
+#    <details><summary>Hint</summary>The written-out version keeps about 6 bytes per score element, and there
+#    are batch x heads x s² of them.</details>
+#    <details><summary>Answer</summary>The eager and math rows grow linearly in s at a fixed token count; with
+#    four times the tokens their peak is four times larger and they hit the card's limit first (on an 80 GB
+#    card, expect it near s = 8192; on a T4, far earlier). The fused rows stay flat and small.</details>
+# 2. Compile the optimizer step too: `opt_step = torch.compile(optimizer.step)` and call it in the step of
+#    section 9.3 on the 1.3B model. Does the optimizer's share of the category table shrink, and is the compile
+#    time worth it?
+#    <details><summary>Hint</summary>Compare with `fused=True` (section 9.6), which needs no compilation.</details>
+#    <details><summary>Answer</summary>The compiled step fuses the AdamW arithmetic into a few Triton kernels and
+#    approaches the fused implementation's speed; it adds tens of seconds of compile time and a recompilation
+#    when the learning rate is a Python float that changes (use a tensor learning rate).</details>
+# 3. Try `mode="max-autotune"` on bert-large. How long does it compile, and does the step beat `default`?
+#    <details><summary>Hint</summary>Set a timer around the first step; autotuning benchmarks several kernel
+#    configurations per matrix product.</details>
+#    <details><summary>Answer</summary>Expect minutes of compilation. On a GPU-bound bert-large step most of the
+#    time is in matrix products that cuBLAS already runs well, so the gain, if any, is small next to the
+#    spread; autotuning pays when the same shapes run for many hours.</details>
+# 4. In section 9.5, make the tokenisation cheaper (`words=50`). At which `num_workers` does the step stop
+#    getting faster?
+#    <details><summary>Answer</summary>Once the per-batch CPU time divided by the workers is below the step's GPU
+#    time, more workers change nothing: with cheap samples, two workers or even none may suffice.</details>
+#
+# ## References
+#
+# - Dao et al. (2022), *FlashAttention*; Dao (2024), *FlashAttention-2*; Shah et al. (2024), *FlashAttention-3*;
+#   Korthikanti et al. (2022) for the activation formula. All on the [references page](../book/references.md).
+# - PyTorch documentation: `torch.nn.functional.scaled_dot_product_attention`, `torch.nn.attention.sdpa_kernel`,
+#   the `torch.compile` tutorials (including regional compilation), *CUDA semantics* (CUDA graphs), and
+#   `torch.utils.data` (workers, pinned memory).
+# - Hugging Face, *Efficient training on a single GPU* and the `DataCollatorWithFlattening` documentation
+#   (packing with position ids).
+# - "Simple ways to speed up your PyTorch model training", Towards Data Science (2024): the source of the data
+#   loading and compile advice measured here.
+
+# %% [markdown]
+# The chapter ends as it began: every model, graph and compiled function is gone, TorchDynamo's caches and
+# CUDA-graph pools are reset, cuBLAS's workspaces released (chapter 8 explains them), and the allocated
+# memory is back at its baseline.
+
+# %%
+cleanup.collect()
+if prof.on_gpu:
+    torch._dynamo.reset()
+    cleanup.collect()
+    held_mib = torch.cuda.memory_allocated() / MIB
+    torch._C._cuda_clearCublasWorkspaces()  # PyTorch's own (private) call for this
+    cleanup.collect()
+    end_mib = torch.cuda.memory_allocated() / MIB
+    display(pd.Series({"allocated before clearing the cuBLAS workspaces (MiB)": held_mib,
+                       "allocated at the end (MiB)": end_mib,
+                       "allocated at the start (MiB)": baseline_mib}).to_frame("value"))
+    assert end_mib <= baseline_mib + 0.01, f"{end_mib - baseline_mib:.2f} MiB still allocated: something leaked"
+else:
+    print("skipped on CPU: no GPU memory to check")
