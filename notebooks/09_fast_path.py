@@ -46,8 +46,10 @@
 # %%
 import sys
 
-if "google.colab" in sys.modules:  # Colab: install the book's helpers; torch is already there
-    # %pip install -q "gpu-efficient-training @ git+https://github.com/gpu-efficient-training/book"
+if "google.colab" in sys.modules:  # Colab only. pip adds what Colab lacks (bitsandbytes, the book's helpers)
+    # and upgrades transformers to the 5.x the book needs: nothing has imported it yet in this kernel, so no
+    # restart is needed. Colab's torch already meets the book's floor and is kept (see the setup page).
+    # %pip install -q --no-warn-conflicts "gpu-efficient-training @ git+https://github.com/gpu-efficient-training/book"
 
 from helpers import env
 
