@@ -32,7 +32,8 @@
 #   *packing* (several documents per row, with position ids that keep them apart) recover it, checked for
 #   correctness;
 # - what `torch.compile` costs (compile time, recompilations when shapes change) and buys on bert-large
-#   and on the 1.3B GPT-NeoX, in its `default` and `reduce-overhead` modes, whole-model and per layer;
+#   and on the 1.3B GPT-NeoX, in its `default` mode (and `reduce-overhead` where the time budget allows),
+#   whole-model and per layer, and what it can do to the attention kernel;
 # - how a CUDA graph removes the launch overhead of a host-bound step, and which attention kernel runs
 #   inside one;
 # - how to find and remove an input-pipeline stall (`num_workers`, `pin_memory`, `non_blocking`);
@@ -359,6 +360,14 @@ else:
     print("skipped on CPU: kernel times and allocator peaks need a GPU (the table shows CPU times and saved bytes)")
 
 # %% [markdown]
+# *Reading the sentence above.* "The gap" at the shortest length is still a several-fold speed-up (the table
+# shows every fused backend at least twice as fast as eager attention at every length); what grows with the
+# length is the size of the gap, not its existence. The comparison there is with the fastest fused kernel on
+# this GPU, which need not be FlashAttention. The measured peak of the written-out version is several times the
+# formula's one-layer *s* × *s* term: this implementation keeps its softmax in fp32 (see the next cell) and its
+# backward pass allocates further *s* × *s* temporaries, which the formula (bytes kept for backward) does not count.
+
+# %% [markdown]
 # **The saved bytes, element by element.** The "saved for backward" column is device-independent, so it
 # can be checked against the formula exactly. The fused kernels save Q, K, V, the output and one log-sum-exp
 # per row and head: no *s* × *s* term at all. The written-out version saves tensors of the size of the
@@ -412,6 +421,14 @@ if dtype_table is not None:
         + ("that ran: the same speed within a few percent. " if r.between(0.9, 1.1).all() else "that ran. ")
         + "The choice between them is about range and loss scaling (chapter 5), not attention speed."
     ))
+
+# %% [markdown]
+# *Reading the table above.* The ratios are not all near 1: in this run the written-out (eager) version was
+# faster in fp16 and the fastest fused kernels were slower in fp16 at the shorter length, by more than the
+# spread the main sweep shows for the same cases (this smaller table has no spread column of its own). So the
+# sentence's "not attention speed" is too strong here: the speed of one dtype against the other depends on the
+# kernel, and it is worth measuring on your GPU before choosing on speed. The argument from range and loss
+# scaling (chapter 5) stands.
 
 # %%
 cleanup.collect()
@@ -593,14 +610,21 @@ else:
     print("skipped on CPU: tokens per second of a tiny model on a CPU say little about a GPU")
 
 # %% [markdown]
+# *A caveat on the sentence above.* The padded and length-grouped batches pass an `attention_mask` (their
+# padding), so SDPA receives a mask in those rows too, not only in the packed one; which attention kernel each
+# batching ran was not read from the profiler here. The measured gain of packing is therefore a comparison of
+# slots computed, not of attention kernels.
+
+# %% [markdown]
 # ## 9.3 `torch.compile`
 #
 # `torch.compile(model)` traces the Python code of `forward` into graphs (TorchDynamo), derives the backward
 # graph ahead of time (AOTAutograd), and generates fused kernels for the element-wise and normalisation
-# parts with Triton (TorchInductor); matrix products still go to cuBLAS and attention to the SDPA kernels.
+# parts with Triton (TorchInductor); matrix products still go to cuBLAS, and attention is meant to stay in
+# the SDPA kernels (the bert-large run below shows a case where it did not).
 # What it can buy: fewer passes over memory (fusion) and fewer kernel launches. What it costs: the
 # compilation itself, at the first call and again whenever a guard fails (a new shape, a new dtype), and
-# sometimes memory. Two modes are measured here:
+# sometimes memory. Two modes are set up here (the second runs only if the chapter's time budget allows):
 #
 # - `default`: fusion only;
 # - `reduce-overhead`: fusion, then the whole compiled graph is recorded as a CUDA graph and replayed,
@@ -611,9 +635,10 @@ else:
 #
 # Compiling bert-large whole is affordable. For the 1.3B model we use **regional compilation**: compile
 # each transformer layer (`layer.compile()`) instead of the model. All 24 layers run the same code, so
-# TorchDynamo compiles it once and reuses it; compile time is that of one layer, and the embeddings, the
-# final norm and the loss stay eager. Each model is timed eager first, then compiled, on the same weights
-# and batch; compile time is the first compiled step's time minus an eager step.
+# TorchDynamo can compile it once and reuse it, as long as nothing that differs between layers is guarded on
+# (the note after the tables shows what broke this here); compile time is then that of one layer, and the
+# embeddings, the final norm and the loss stay eager. Each model is timed eager first, then compiled, on the
+# same weights and batch; compile time is the first compiled step's time minus an eager step.
 
 # %%
 SETUPS = {
@@ -800,22 +825,31 @@ else:
     print("skipped on CPU: no compilation ran")
 
 # %% [markdown]
-# **Reading the run above.** Three things to check in the tables, beyond the verdicts:
+# **Reading the run above.** The verdicts need three corrections from the tables themselves:
 #
-# - *The attention row of bert-large.* If the compiled step shows no time in attention kernels while its GEMM
-#   row grew (and its peak memory with it), attention did not run in a fused kernel under compilation but as
-#   batched matrix products and a softmax that store the *s* × *s* matrix: the slow path of section 9.1. Section
-#   9.4 checks the same question inside a CUDA graph. transformers treats compilation and graph capture alike
-#   as *tracing* (`transformers.utils.import_utils.is_tracing`) and takes code paths there that avoid host-side
-#   checks, which is where to look first; the kernel names, not the speed-up alone, tell which attention ran.
-# - *The warning printed by the 1.3B model's per-layer compile.* The config's `use_cache=True` makes the model
-#   build a key-value cache even in a training step and hand it to every layer; each layer's cache entry
-#   becomes a guard, so every layer triggers a recompilation, and after
-#   `torch._dynamo.config.recompile_limit` (8) compilations TorchDynamo runs the remaining layers eagerly. The
-#   *graphs compiled* column shows how many layers were compiled. Call the model with `use_cache=False` (as
-#   section 9.2 does for packing) before compiling per layer; then one compilation serves all 24 layers.
-# - *Skipped rows.* A mode marked "skipped" did not fit the chapter's time budget after the compile times
-#   above; run the cell again with a larger `COMPILE_DEADLINE_S` to measure it.
+# - *bert-large's attention did not survive compilation.* The category table shows no time in attention
+#   kernels for the compiled bert-large step, while its GEMM row roughly doubled and its element-wise row grew,
+#   and the compiled step's peak memory is several GiB higher: attention ran as batched matrix products and a
+#   softmax that store the *s* × *s* matrix, the slow path of section 9.1. So the rendered sentence's "attention
+#   kernels that compilation does not replace" is wrong for this run, and "already GPU-bound" is not the whole
+#   explanation: the extra GEMM and softmax time is of the size of the slowdown. The likely route is in
+#   transformers' masking code: it drops an all-ones padding mask (so that SDPA may pick a fused kernel without
+#   a mask) only when it is *not* tracing, and it counts both `torch.compile` and CUDA-graph capture as tracing
+#   (`transformers.utils.import_utils.is_tracing`); compiled, SDPA therefore receives an explicit mask. Why no
+#   fused kernel that accepts a mask (memory-efficient) ran instead was not established in this run. Compiling
+#   bert-large with its attention intact was not measured, so this run says nothing about that case.
+# - *The 1.3B model was compiled only in part.* The warning printed above: the config's `use_cache=True` makes
+#   the model build a key-value cache even in a training step and hand it to every layer; each layer's cache
+#   entry becomes a guard, so every layer triggered a recompilation, and after
+#   `torch._dynamo.config.recompile_limit` (8) compilations TorchDynamo ran the remaining layers eagerly. The
+#   *graphs compiled* column shows 8: 8 of the 24 layers were compiled, the other 16 ran eagerly, and the
+#   compile time covers 8 compilations, not one. The 1.3B row (here and in the closing table) measures that
+#   partial compilation, not the regional compilation described above. Calling the model with `use_cache=False`
+#   (as section 9.2 does for packing) should remove the per-layer guard so that one compilation serves all 24
+#   layers; that was not measured here.
+# - *Skipped rows.* `reduce-overhead` on bert-large did not fit the chapter's time budget and was not measured;
+#   nothing in this chapter's outputs shows what it buys. Run the cell again with a larger `COMPILE_DEADLINE_S`
+#   to measure it.
 
 # %% [markdown]
 # **Recompilation when the sequence length changes.** A compiled graph is specialised to its input shapes
@@ -883,6 +917,14 @@ if recompiles is not None:
         f"recompiling a function after `torch._dynamo.config.cache_size_limit` graphs (8 by default) and runs it "
         f"eagerly from then on, silently slower."
     ))
+
+# %% [markdown]
+# *Two corrections to the sentence above.* In torch 2.11 the limit is called
+# `torch._dynamo.config.recompile_limit` (`cache_size_limit` is the older name, still accepted as an alias), as
+# the warning printed by the 1.3B compile shows; it limits the recompilations of one function (code object),
+# not a number of graphs. And the shortest compile time in the table (the default setting's first length) is
+# for a graph that the `dynamic=False` row had just compiled, so it was most likely served from Inductor's
+# cache rather than compiled afresh.
 
 # %% [markdown]
 # ## 9.4 CUDA graphs for a host-bound step
@@ -1021,11 +1063,17 @@ elif graph_result:
     print("the capture failed on this setup; see the message above")
 
 # %% [markdown]
-# When the bare SDPA call keeps its fused kernel under capture but the model's attention does not, the
-# capture did not change SDPA's choice: the model's code took a different path while capturing (see the
-# note on tracing in section 9.3). Whatever the cause, the graph's speed-up comes from removing launch
-# overhead, and a step whose attention falls back to the math path also pays its *s* × *s* memory: check the
-# kernel names after capturing.
+# *Reading the result above.* The attention dropout is not the cause here: the bare SDPA call keeps its fused
+# kernel under capture with and without dropout, and the model's captured step ran no fused attention kernel
+# with the attention dropout at 0 either. The sentence's advice about dropout therefore does not follow from
+# this run. The bare call also differs from the model's call in one respect: it passes no mask. As noted in
+# section 9.3, transformers keeps bert-large's all-ones padding mask when it is tracing, and graph capture
+# counts as tracing, so the captured model most likely called SDPA *with* a mask; a probe with a mask would
+# test that, and it was not run here. Why no mask-capable fused kernel ran is not established. What the table
+# does show: the graph's speed-up comes from removing launch overhead (the GPU-busy fraction), it was obtained
+# with attention on the math path (more GPU operations per call than eager), and such a step also pays the
+# *s* × *s* memory: check the kernel names after capturing.
+
 
 # %%
 cleanup.collect()
@@ -1137,6 +1185,15 @@ if load_timed:
         f"free of other work."
     ))
 
+# %% [markdown]
+# *Reading the table above.* Every loader setting is "within the noise" of `num_workers=0` in this run, and in
+# every row the host's enqueue time is about the whole step while the GPU is busy for about half of it or less: the
+# step itself is host-bound (bert-large's eager step launches its kernels more slowly than the GPU runs them,
+# as in section 9.4), so the tokenising is only part of the host's work and removing it cannot keep the GPU
+# busy. This run therefore does not demonstrate the rule of thumb; the reference it names (the same step fed
+# from batches already on the GPU) was not measured here. The first-batch column is the largest difference,
+# but it is one measurement per setting, not a median of repeats.
+
 # %%
 cleanup.free(globals(), "tok_ds")
 
@@ -1148,8 +1205,8 @@ cleanup.free(globals(), "tok_ds")
 # tokens, bf16 autocast.
 #
 # - **AdamW implementation**: `foreach` (PyTorch's default on GPUs: one kernel per operation over lists of
-#   tensors), a plain loop over the parameters (`foreach=False`), and `fused=True` (one kernel for the whole
-#   update; chapters 5 and 8);
+#   tensors), a plain loop over the parameters (`foreach=False`), and `fused=True` (a few fused kernels
+#   for the whole update; chapters 5 and 8);
 # - **`zero_grad(set_to_none=False)`**: writes zeros into the gradients instead of dropping them (the
 #   default, `set_to_none=True`, saves a memset per parameter and lets the backward pass allocate afresh);
 # - **TF32**: `torch.backends.cuda.matmul.allow_tf32 = True` runs fp32 matrix products on the tensor cores
@@ -1247,6 +1304,13 @@ else:
     print("skipped on CPU: no GPU timings to compare")
 
 # %% [markdown]
+# *Reading the table above.* The `zero_grad(set_to_none=False)` row times the opposite of the recommended
+# setting against the default: a speed-up above 1 there would mean that writing zeros was faster. In this run
+# the difference is within the noise, so the measurement supports neither setting on speed. The optimizer rows
+# ran on a step whose GPU was busy for half of it or less (the GPU-busy column), so they measure mostly the
+# host's launch overhead, which is where the fused AdamW's fewer kernel launches help.
+
+# %% [markdown]
 # ## 9.7 Summary: the fast path
 #
 # Every measured before/after comparison of this chapter, with the median and IQR of each side and the
@@ -1276,6 +1340,14 @@ else:
     print("skipped on CPU: the closing comparison needs GPU timings")
 
 # %% [markdown]
+# *What the table above does not hold.* Fused attention is measured only in section 9.1's sweep, not as a
+# training-step comparison; `reduce-overhead` was skipped; CUDA graphs, data loading and the free wins were
+# measured on bert-large only; and the 1.3B compile row compiled only as many of its 24 layers as
+# TorchDynamo's recompile limit allowed (section 9.3).
+# The attention kernel that ran also differs between rows: compiled and captured bert-large steps ran attention
+# on the math path.
+
+# %% [markdown]
 # ### The checklist, in the order to try things
 #
 # 1. **Measure first** (chapter 8): median and IQR of ≥ 10 steps, GPU-busy fraction, category table.
@@ -1291,7 +1363,8 @@ else:
 #    `torch.compile(mode="reduce-overhead")` (sections 9.3, 9.4).
 # 7. **`torch.compile`** last, because it costs compile time and recompiles on new shapes: measure the
 #    steady state *and* the compile time against the length of your run; compile per layer to cut the
-#    compile time (section 9.3).
+#    compile time, with `use_cache=False`, and check in the profile that attention still runs in a fused
+#    kernel (section 9.3).
 #
 # ### Use it in your own script
 #
@@ -1304,6 +1377,7 @@ else:
 #                                      persistent_workers=True)
 # optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 # torch.backends.cuda.matmul.allow_tf32 = True              # fp32 products on tensor cores (Ampere+)
+# model.config.use_cache = False                           # no KV cache in training (packing, regional compile)
 # for layer in model.model.layers:                          # regional compilation: one layer's compile time
 #     layer.compile()
 # for batch in loader:
@@ -1345,8 +1419,13 @@ else:
 #    spread; autotuning pays when the same shapes run for many hours.</details>
 # 4. In section 9.5, make the tokenisation cheaper (`words=50`). At which `num_workers` does the step stop
 #    getting faster?
-#    <details><summary>Answer</summary>Once the per-batch CPU time divided by the workers is below the step's GPU
-#    time, more workers change nothing: with cheap samples, two workers or even none may suffice.</details>
+#    <details><summary>Hint</summary>First time the same step on a batch already on the GPU (no loader): that is
+#    the floor no loader setting can beat. Then compare the per-batch tokenising time (the cell that times one
+#    sample, times 32) with it.</details>
+#    <details><summary>Answer</summary>Once the per-batch CPU time divided by the workers is well below the
+#    step's own time (GPU time, or the host's launch time when the step is host-bound as here), more workers
+#    change nothing: with cheap samples, two workers or even none may suffice. Differences smaller than the
+#    IQR do not count.</details>
 #
 # ## References
 #
