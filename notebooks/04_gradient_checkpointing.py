@@ -706,11 +706,16 @@ else:
     print("skipped on CPU: peak memory and the T4 budget need a GPU (the figure shows the bytes saved for backward)")
 
 # %% [markdown]
+# *Reading note on the committed H100 run:* a saving printed as "-0%" is no saving at all: the table above shows the
+# 1.3B model's peak unchanged (12.47 GiB) with and without checkpointing at batch 4, the minus sign is rounding.
+
+# %% [markdown]
 # **The price.** Recomputing every layer once should cost one more forward pass of the layers: a third of their
 # forward and backward time (the backward pass does two matrix products for each one of the forward pass,
-# chapter 1). The optimizer step, the embeddings, the output head and the loss are not repeated, so the whole
-# step slows down by less than a third. The prediction of each configuration is its own measured forward pass
-# of the layers:
+# chapter 1). The optimizer step, the embeddings, the output head and the loss are not repeated, so by this
+# count the whole step slows down by a third at most. Real backward passes are not exactly twice their forward
+# pass (kernels differ in efficiency), so the layers' forward pass can measure a little more than a third of a
+# step. The prediction of each configuration is therefore its own measured forward pass of the layers:
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), sharey=True)
@@ -803,6 +808,13 @@ if prof.on_gpu:
     display(Markdown("\n".join(lines)))
 else:
     print("skipped on CPU: GPU kernel time and GPU-busy need a GPU, and a CPU's timings say nothing about a GPU's")
+
+# %% [markdown]
+# *Reading notes on the committed H100 run.* "noise" in the list above is in percentage points of the plain step
+# (the *noise* column defined before the table). The range "23 to 73%" for GPU-bound steps includes the 1.3B
+# model at batch 16, which is GPU-bound only without checkpointing: checkpointed, it is host-bound (GPU busy 66% in
+# the table), as the list says. The rows that stay GPU-bound with checkpointing cost 23 to 37%, above the guide's
+# 20% and close to one forward pass of the layers.
 
 # %% [markdown]
 # **The LLM book's case.** The book's 1.3B model ran out of memory at batch 16 on a T4 (chapters 1 and 3) and,
@@ -916,6 +928,12 @@ if prof.on_gpu:
     display(Markdown(text))
 else:
     print("skipped on CPU: peak memory and GPU-busy need a GPU")
+
+# %% [markdown]
+# *Reading note on the committed H100 run:* "1.40 times slower (within the noise)" means the median step was 1.40
+# times longer, but the checkpointed steps spread widely (IQR 0.15 s on a 0.45 s median, in the table above), so
+# this run cannot tell its 1.40 from the guide's 1.29, nor show that batch 1 costs more than the larger batches of
+# the sweep above. What it does show is a host-bound step whose peak checkpointing does not lower.
 
 # %% [markdown]
 # ## 4.4 Beyond the sources: checkpoint less, or move the activations away
@@ -1089,6 +1107,10 @@ else:
 display(Markdown(text))
 
 # %% [markdown]
+# *Reading note on the committed H100 run:* the figure's title names the cheapest mode by its median alone; as the
+# text says, recomputing the MLP half and recomputing the attention half cost the same within the noise here, and
+# the whole stack is host-bound, so this run does not rank the two halves by time.
+#
 # Transformers can combine the two ideas: in releases that accept `activation_checkpointing_enable(offload=True)`,
 # each layer is checkpointed and its input, the only tensor it keeps, goes to pinned host memory. The cell below
 # asks the installed version and, where it can, measures it on bert-large against plain checkpointing.
@@ -1198,6 +1220,7 @@ else:
 # from torch.utils.checkpoint import checkpoint
 #
 # model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+# # (transformers releases that have activation_checkpointing_enable(...) keep this name as a deprecated alias)
 # model.config.use_cache = False  # generation caches are useless, and in the way, during training
 #
 # # in your own nn.Module's forward:
@@ -1250,7 +1273,7 @@ else:
 #
 #    <details><summary>Answer</summary>
 #
-#    About halfway in both: roughly half of the memory saving of full-block recomputation, at roughly half its time overhead (about one sixth of a step instead of one third).
+#    About halfway in both: roughly half of the memory saving of full-block recomputation, at roughly half of its time overhead. Where the GPU is the limit that is half of one extra forward pass (about a sixth of a forward and backward pass instead of a third); in section 4.4's host-bound stack, expect about half of the overhead measured there for whole blocks, which is larger.
 #
 #    </details>
 #

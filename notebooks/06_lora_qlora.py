@@ -649,6 +649,14 @@ else:
     print("skipped: LoRA or QLoRA did not run on this machine")
 
 # %% [markdown]
+# *Reading note on the committed H100 run:* the bytes saved for backward by full fine-tuning with autocast (4.09 GiB
+# above) are not activations alone. Autocast keeps a 16-bit copy of every weight it casts until the backward pass
+# (chapter 5), here the linear layers and the LM head, about 1.27 billion weights and some 2.4 GiB, and
+# `SavedTensorMeter` counts those copies. Without them full fine-tuning kept less than LoRA's 2.23 GiB, whose base
+# is already 16-bit (no copies) but whose adapters save tensors of their own, such as the dropped-out inputs of the
+# adapter products. The fp32 full fine-tuning run makes no copies; its row of the table shows fp32 activations.
+
+# %% [markdown]
 # **Speed.** LoRA skips the weight gradients of the frozen layers (a third of the FLOPs) and nearly all of the
 # optimizer's work; QLoRA, in addition, dequantizes every weight from 4 bits, in the forward pass and again in the
 # backward pass. Whether that shows in the step time depends on what limits the step. `time_it`'s medians, spreads
@@ -991,7 +999,7 @@ else:
 # qlora = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
 #                            bnb_4bit_compute_dtype=torch.bfloat16)   # torch.float16 on a T4
 # model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, quantization_config=qlora)  # omit for LoRA
-# model = prepare_model_for_kbit_training(model)                                          # QLoRA only
+# model = prepare_model_for_kbit_training(model)   # QLoRA only; turns on gradient checkpointing by default
 # config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules=["query_key_value"],
 #                     task_type="CAUSAL_LM")   # use_rslora=True: scale by alpha / sqrt(r)
 # model = get_peft_model(model, config)
@@ -1028,7 +1036,7 @@ else:
 #
 #    <details><summary>Answer</summary>
 #
-#    About 54 MiB more: $0.373 / 8$ bytes times the roughly 1.2 billion quantized weights (the embeddings and the head stay in 16 bits).
+#    About 54 MiB more: $0.373 / 8$ bytes times the roughly 1.2 billion quantized weights (the embeddings and the head are not quantized).
 #
 #    </details>
 #
@@ -1043,7 +1051,7 @@ else:
 #
 #    <details><summary>Answer</summary>
 #
-#    The activations fall by most of their size and the peak with them (the activation part of section 6.3's breakdown); the step costs about one more forward pass, around a third more time, a little more with 4-bit dequantization in the recomputation.
+#    The activations fall by most of their size and the peak with them (the activation part of section 6.3's breakdown). The GPU does about one more forward pass of work, plus the 4-bit dequantization again in the recomputation; where the GPU is the limit that is around a third more time. At section 6.3's batch the QLoRA step is host-bound, and chapter 4 measured the 1.3B model at batch 4 paying far more than a third there, because the recomputation issues every layer's kernels a second time.
 #
 #    </details>
 #
