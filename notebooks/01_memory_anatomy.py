@@ -243,6 +243,10 @@ else:
     print("skipped on CPU: NVML memory and the comparison with the guide's V100 need the full-size run on a GPU")
 
 # %% [markdown]
+# One correction to the paragraph above: NVML's *used* is the whole card's, so the NVML numbers of both runs
+# (and the guide's) also hold what the card showed before this process started (section 1.1), which is neither
+# this process's CUDA context nor its allocator's cache.
+#
 # First we give the memory back. `cleanup.free` deletes the names, runs the garbage collector and empties
 # the allocator's cache; what it reports is what came back.
 
@@ -758,8 +762,8 @@ else:
 # **A warning about the book's recipe.** Training with the weights *and* AdamW's states in fp16 halves
 # the optimizer memory, but fp16 cannot hold what AdamW stores. Its second state is a running mean of
 # squared gradients, and on the first step it is $(1-\beta_2)\,g^2$ with $\beta_2 = 0.999$: a thousandth of
-# the squared gradient. Anything below fp16's smallest positive number, $2^{-24} \approx 6 \times 10^{-8}$,
-# becomes 0, and AdamW's `eps` (1e-8) is also 0 in fp16. The update then divides by
+# the squared gradient. Anything below half of fp16's smallest positive number, $2^{-24} \approx 6 \times 10^{-8}$,
+# rounds to 0, and AdamW's `eps` (1e-8) is also 0 in fp16. The update then divides by
 # $\sqrt{v} + \epsilon = 0$. One step on four weights with four gradients:
 
 # %%
@@ -996,7 +1000,7 @@ else:
 #
 #    <details><summary>Hint</summary>
 #
-#    Eager attention stores the $s \times s$ scores and probabilities per head and layer, about $5 a s^2 b$ bytes per layer in 16 bits (Korthikanti et al.); SDPA's fused kernels (flash or memory-efficient) store none of them, its math fallback does.
+#    Eager attention stores the $s \times s$ scores and probabilities per head and layer, about $5 a s^2 b$ bytes per layer in 16 bits ([Korthikanti et al. (2022)](../book/references.md)); SDPA's fused kernels (flash or memory-efficient) store none of them, its math fallback does.
 #
 #    </details>
 #
@@ -1008,12 +1012,12 @@ else:
 #
 # ## References
 #
-# - Hugging Face (2024), *Model training anatomy* and *Methods and tools for efficient training on a single
+# - [Hugging Face (2024)](../book/references.md), *Model training anatomy* and *Methods and tools for efficient training on a single
 #   GPU*: the Trainer baseline, the six components, the 16/18/6 bytes-per-parameter rules.
-# - Heo (2024), chapter 5 (in Korean): the polyglot-ko-1.3b experiment of section 1.5.
-# - Korthikanti et al. (2022): activation memory per layer.
-# - Hugging Face Accelerate team (2023), *Model Memory Calculator*: the "4 x model size" training estimate.
-# - Micikevicius et al. (2018): mixed precision, fp32 master weights and loss scaling.
-# - Ivanov et al. (2021): where time goes in transformer training, operator by operator.
+# - [Heo (2024)](../book/references.md), chapter 5 (in Korean): the polyglot-ko-1.3b experiment of section 1.5.
+# - [Korthikanti et al. (2022)](../book/references.md): activation memory per layer.
+# - [Hugging Face Accelerate team (2023)](../book/references.md), *Model Memory Calculator*: the "4 x model size" training estimate.
+# - [Micikevicius et al. (2018)](../book/references.md): mixed precision, fp32 master weights and loss scaling.
+# - [Ivanov et al. (2021)](../book/references.md): where time goes in transformer training, operator by operator.
 #
 # All of them, with links, are on the [references page](../book/references.md).

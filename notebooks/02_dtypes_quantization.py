@@ -19,7 +19,7 @@
 # A model's memory is its number of parameters times the bytes of each one. Chapter 1 counted the
 # parameters; this chapter is about the bytes. We look at what 32, 16 and 8 bits can and cannot hold, watch
 # the 16-bit formats fail in front of us, and then write by hand the four int8 quantization schemes that
-# chapter 5 of the Korean LLM book (Heo, 2024) describes (absmax, zero-point, block-wise, quantile), measuring the error of each. Finally we use the
+# chapter 5 of the Korean LLM book ([Heo (2024)](../book/references.md)) describes (absmax, zero-point, block-wise, quantile), measuring the error of each. Finally we use the
 # production versions in bitsandbytes and transformers, LLM.int8() and 4-bit NF4, on a layer and on the
 # whole 1.3B model, and hold their memory against the expected bytes per parameter.
 #
@@ -106,7 +106,7 @@ print(table.map(lambda v: ("—" if math.isnan(v) else f"{v:.4g}") if isinstance
 # %% [markdown]
 # fp16 and bf16 spend their 16 bits differently: fp16 keeps 10 mantissa bits and only 5 exponent bits (largest
 # value 65,504), bf16 keeps fp32's 8 exponent bits (the same range as fp32) and only 7 mantissa bits
-# ([Kalamkar et al., 2019](../book/references.md)). The two fp8 formats make the same trade at 8 bits. int8 has no exponent at
+# ([Kalamkar et al. (2019)](../book/references.md)). The two fp8 formats make the same trade at 8 bits. int8 has no exponent at
 # all: 256 evenly spaced values, which is why quantizing to it needs a *scale*. The layouts, drawn to scale:
 
 # %%
@@ -210,7 +210,7 @@ pd.Series(failures, name="result").map("{:.8g}".format)
 # fp16 overflows past 65,504 where bf16 merely rounds (90,000 becomes 90,112). Underflow is the subtler
 # danger in training: gradients that small do occur, and fp16 flushes them to zero, silently. That is why fp16
 # mixed precision multiplies the loss by a large factor before `backward()` (*loss scaling*,
-# [Micikevicius et al., 2018](../book/references.md)): every gradient of the backward pass is scaled by the
+# [Micikevicius et al. (2018)](../book/references.md)): every gradient of the backward pass is scaled by the
 # same factor and lands inside fp16's range, and the optimizer divides the weight gradients back in fp32. bf16
 # needs no scaling, but its steps are coarse: $1 + 2^{-8}$ is exactly 1.
 #
@@ -721,10 +721,10 @@ blocks
 #
 # ## 2.5 The production versions: bitsandbytes
 #
-# **LLM.int8()** (Dettmers et al., *LLM.int8()*, [2022](../book/references.md)) stores weights in int8 with one absmax
+# **LLM.int8()** ([Dettmers et al. (2022)](../book/references.md), *LLM.int8()*) stores weights in int8 with one absmax
 # scale per output row and, at run time, splits the input: the few feature columns with values above a
 # threshold (6.0 by default) are multiplied in 16 bits, the rest in int8 with per-token scales. **NF4**
-# ([Dettmers et al., 2023](../book/references.md)) stores 4-bit codes whose 16 levels are quantiles of a
+# ([Dettmers et al. (2023)](../book/references.md)) stores 4-bit codes whose 16 levels are quantiles of a
 # normal distribution (so they suit normally distributed weights), with an fp32 absmax per block of 64;
 # **double quantization** quantizes those absmax values themselves to 8 bits, in blocks of 256. **FP4** is a
 # 4-bit floating-point format: its 16 levels are a sign, exponent and mantissa grid like every float's, so they
@@ -997,7 +997,7 @@ else:
 # %% [markdown]
 # ## 2.6 A preview: 8-bit optimizer states
 #
-# The same block-wise idea shrinks AdamW's two states (Dettmers et al., *8-bit Optimizers via Block-wise Quantization*, [2022](../book/references.md)):
+# The same block-wise idea shrinks AdamW's two states ([Dettmers et al. (2022)](../book/references.md), *8-bit Optimizers via Block-wise Quantization*):
 # bitsandbytes' `AdamW8bit` keeps them as uint8 codes with a dynamic quantization map and a scale per block of
 # 256 values (tensors under 4096 elements keep fp32 states). We count the state bytes after one step on
 # bert-large.
@@ -1026,8 +1026,8 @@ display(Markdown(
 # %% [markdown]
 # ## Summary
 #
-# - Exponent bits set the range, mantissa bits the precision: fp16 overflows at 65,504 and flushes gradients
-#   below $6 \times 10^{-8}$ to zero (hence loss scaling); bf16 has fp32's range and a coarse 8-bit
+# - Exponent bits set the range, mantissa bits the precision: fp16 overflows at 65,504 and rounds gradients
+#   below $2^{-25} \approx 3 \times 10^{-8}$ (half its smallest positive number) to zero (hence loss scaling); bf16 has fp32's range and a coarse 8-bit
 #   significand; sums and matrix products are accumulated in fp32 for that reason.
 # - Size = parameters x bytes, and the parameters are worth counting: "7B x 2 = 14 GB" fits Llama-2-7B but not
 #   Mistral-7B (7.24 B parameters) or Gemma-7B (8.54 B); and 1 GB (10⁹ bytes) is 7 % less than 1 GiB.
@@ -1118,12 +1118,12 @@ display(Markdown(
 #
 # ## References
 #
-# - Kalamkar et al. (2019): the bf16 format.
-# - Micikevicius et al. (2018): mixed precision and loss scaling.
-# - Dettmers et al. (2022), *LLM.int8()*: vector-wise quantization and outlier decomposition.
-# - Dettmers et al. (2023), *QLoRA*: NF4 and double quantization.
-# - Dettmers et al. (2022), *8-bit Optimizers via Block-wise Quantization*: 8-bit optimizers.
-# - Heo (2024), chapter 5 (in Korean): the data types and the four quantization schemes of sections 2.1-2.4.
+# - [Kalamkar et al. (2019)](../book/references.md): the bf16 format.
+# - [Micikevicius et al. (2018)](../book/references.md): mixed precision and loss scaling.
+# - [Dettmers et al. (2022)](../book/references.md), *LLM.int8()*: vector-wise quantization and outlier decomposition.
+# - [Dettmers et al. (2023)](../book/references.md), *QLoRA*: NF4 and double quantization.
+# - [Dettmers et al. (2022)](../book/references.md), *8-bit Optimizers via Block-wise Quantization*: 8-bit optimizers.
+# - [Heo (2024)](../book/references.md), chapter 5 (in Korean): the data types and the four quantization schemes of sections 2.1-2.4.
 #
 # All of them, with links, are on the [references page](../book/references.md).
 

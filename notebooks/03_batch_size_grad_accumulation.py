@@ -377,7 +377,17 @@ else:
     print("skipped on CPU: GPU-busy and host enqueue time need a GPU, and a CPU's throughput says nothing about a GPU's")
 
 # %% [markdown]
-# A step is *host-bound* when the CPU needs about as long to issue its kernels as the GPU needs to run them:
+# Two cautions on reading the sentences above. *Host enqueue* is the time until the step's Python call
+# returns: an upper bound on what issuing the step costs the CPU, because the CPU also waits for the GPU inside
+# the call when the launch queue is full or an operation synchronises. In the sweep tables it grows with the
+# batch, for both models, although the number of operations per step does not. So where the GPU is busy most of
+# the time, a host enqueue close to the wall time does not show that the CPU sets the pace; the GPU-busy fraction
+# decides the verdict. And "flat" is the sweep's stop rule, a doubling that adds less than 5%, not a measured
+# plateau: in the run shown on the site bert-large's last doubling still added 4.9% (rounded to 5% above), and
+# "95% of the best" is measured against the largest batch the sweep ran, so a larger batch could move it.
+
+# %% [markdown]
+# A step is *host-bound* when the CPU needs longer to issue its kernels than the GPU needs to run them:
 # Python, the dispatcher and a few thousand kernel launches per step set the time, and a larger batch makes
 # each kernel longer without adding launches. That is why the step time can stay flat while the batch grows,
 # and why throughput then grows almost in proportion. Once the GPU is busy nearly all the time, more samples
@@ -893,8 +903,20 @@ else:
     print("skipped on CPU: CPU time and memory say nothing about the Trainer's overhead on a GPU")
 
 # %% [markdown]
-# Two of the `Trainer`'s defaults, switched off above to compare like with like, change the picture when left
-# on:
+# Where the difference lies is not what the sentence above says. The time in the table is the whole
+# `trainer.train()` call. The dictionaries the `Trainer` printed above come from its own clock
+# (`train_runtime`, `train_samples_per_second`), which starts once the call has set itself up and stops before
+# it logs and cleans up; that clock covers the training loop, data loader iteration, scheduler and callbacks
+# included. In the run shown on the site it gives about 34 samples/s over the ten timed calls (30 to 36),
+# within a tenth of the hand-written loop. So most of the difference is a fixed cost of each `train()` call
+# outside its training loop. In transformers 5.x that set-up starts with accelerate's `free_memory()`, which runs
+# `gc.collect()` and `torch.cuda.empty_cache()` (the allocator then requests its blocks from the driver
+# again), and goes on to build the data loader and prepare the model and optimizer; which of these costs most
+# was not measured here. With one update per call, as here, the fixed cost is a large part of the time; over
+# an epoch of many updates it is paid once.
+#
+# Two of the `Trainer`'s defaults, switched off above to compare like with like, would change the comparison
+# if left on (not measured here):
 
 # %%
 defaults = TrainingArguments(output_dir="trainer_tmp", report_to="none")
@@ -904,7 +926,8 @@ pd.Series({"optim": str(defaults.optim.value), "max_grad_norm": defaults.max_gra
 # %% [markdown]
 # Gradient clipping (`max_grad_norm`) computes the norm of all gradients once per update. If the default
 # optimizer is `adamw_torch_fused`, PyTorch's fused AdamW updates all parameters in a few kernels without the
-# multi-tensor version's temporary buffers (chapter 1), which lowers the optimizer step's peak.
+# multi-tensor version's temporary buffers (chapter 1 shows those buffers; chapter 5 measures the fused step),
+# which lowers the optimizer step's peak.
 
 # %% [markdown]
 # ## 3.5 The pitfall: sequences of different lengths
@@ -1037,13 +1060,16 @@ closing[[c for c in order if c in closing.columns]]
 
 # %% [markdown]
 # - Training memory is a fixed part (weights, optimizer states, and gradients from the backward pass on) plus
-#   activations that grow linearly with the batch (section 3.1's fit). At small batches a step is host-bound:
-#   its time is the CPU's time to issue it, so throughput grows almost with the batch; it stops growing once the
-#   GPU is busy, and past that point a larger batch is an optimisation choice, not a speed-up.
+#   activations that grow linearly with the batch (section 3.1's fit). Where a small batch leaves the GPU idle
+#   (the 1.3B model's smallest batches), the step is host-bound: its time is the CPU's time to issue it, so
+#   throughput grows almost with the batch. Once the GPU is busy (bert-large at 512 tokens is busy from the
+#   smallest batch) each doubling gains less, and past that point a larger batch is an optimisation choice,
+#   not a speed-up.
 # - The largest batch that fits can be found safely: catch `torch.OutOfMemoryError`, let the `except` block end,
 #   then free; memory returns to its baseline after every failure.
 # - Gradient accumulation with `loss / N` gives the large batch's gradients to fp32 rounding and the same
-#   training run, at the micro-batch's memory and the micro-batch's speed.
+#   training run, at the micro-batch's memory plus one set of gradients (held between micro-batches), and at
+#   the micro-batch's speed.
 # - With sequences of different lengths, divide the summed token losses by the tokens of the whole accumulated
 #   batch; the mean of micro-batch means is a different objective (fixed in transformers 4.46).
 #
