@@ -162,12 +162,22 @@ exit_code = plan.main(["--model", "gpt-neox-1.3b", "--batch", "4", "--seq", "256
 #
 # - **4 × model size**: the Hugging Face model-memory calculator's rule of thumb for training with Adam
 #   ([Hugging Face Accelerate team (2023)](../book/references.md)): four times the weights' bytes in the training dtype;
-# - **accelerate estimate-memory**: the same tool's command line, which counts weights, and for training
-#   gradients and Adam's states, and nothing else;
+# - **accelerate estimate-memory**: the same tool's command line. For training with Adam it works out four
+#   terms for a batch of one (the weights, the gradients, Adam's states, the optimizer step) and prints the
+#   *largest* of them, not their sum: four times the fp32 weights in fp32, and in mixed precision Adam's
+#   states alone, twice the fp32 weights. Nothing that grows with the batch is counted;
 # - **ZeRO model states**: the ZeRO paper's 16 bytes per parameter for mixed-precision Adam (2 + 2 + 12),
 #   divided by the world size per stage ([Rajbhandari et al. (2020)](../book/references.md));
 # - **transformer math**: model states plus the activation formula of [Korthikanti et al. (2022)](../book/references.md), as in
-#   EleutherAI's *Transformer Math 101* ([Anthony et al. (2023)](../book/references.md)).
+#   EleutherAI's *Transformer Math 101* ([Anthony et al. (2023)](../book/references.md)). The column uses the post's
+#   mixed-precision AdamW states (16 bytes per parameter) and its no-recomputation activation formula (16-bit
+#   activations) on every row; the post also gives bytes per parameter for other optimizers and a formula for
+#   fully recomputed activations, which this column does not use.
+#
+# The three model-state estimators describe full-parameter training with Adam. Rows with adapters, other
+# optimizers or checkpointing are outside what they claim to cover, and their errors there say as much about
+# the domain as about the formula; the rows inside it are the full-parameter AdamW rows without
+# checkpointing (#1–8, 11, 17–22 and 29), the ones to read for a fair comparison.
 #
 # The error of a row is (predicted − measured) / measured: negative means the estimator promises memory the
 # run does not have.
@@ -284,6 +294,14 @@ else:
           else "too few setups were measured for an error summary")
 
 # %% [markdown]
+# Two readings of the sentences above. The planner, too, errs mostly on the low side (the summary table's
+# *rows under-predicted* column): when a plan comes close to the budget, leave a margin of the size of its
+# maximum error. And the short reasons given for the other estimators simplify them: `accelerate` prints its
+# largest single term rather than the sum of the model and Adam's states, and *Transformer Math 101* does
+# describe other optimizers and full recomputation; the transformer-math column simply uses neither (see
+# the list before the table).
+
+# %% [markdown]
 # **Which term is off?** Each row switches some terms on (eager attention's s × s matrices, checkpointing's
 # recomputed layer, LoRA's adapters, QLoRA's 4-bit weights, an optimizer's states). Grouping the planner's
 # signed error by these features points at the term behind an error: a feature whose rows are all off in
@@ -342,6 +360,16 @@ else:
     print("skipped on CPU: the errors need measured peaks")
 
 # %% [markdown]
+# A caution on the sentence above: grouping by feature can blame a feature for one row. Both groups it
+# names owe most of their mean to the same row, #33 (QLoRA with 8-bit AdamW): the other 8-bit rows (#14, #26
+# and #34, the last a checkpointed QLoRA row) are within a fraction of a percent in the validation table. The
+# table shows a pattern the grouping does not test: the largest under-predictions (#33, #20, #35,
+# then #32 and #29) are all GPT-NeoX rows computing under autocast from an fp32 residual stream (fp32 weights,
+# or QLoRA's fp32 stream), without checkpointing, and in all of them the measured peak falls in the forward
+# pass while the planner puts it in the backward. The term to suspect is what these blocks keep during the
+# forward pass, not the 8-bit states.
+
+# %% [markdown]
 # For the three rows with the largest errors, the predicted breakdown (GiB) beside the measured peak:
 
 # %%
@@ -378,6 +406,9 @@ term_table if len(worst_rows) else print("skipped on CPU: no measured rows")
 # **MFU, the one convention of the book.** Model FLOPs per token are 6 × (the parameters of every matrix
 # product, the output projection included, embedding lookups excluded) + 12 · L · h · s for attention
 # (`flops.flops_per_token`; [Chowdhery et al. (2022)](../book/references.md), appendix B), with no credit for recomputation.
+# The attention term counts the full s × s score matrix, as PaLM does, even for the causal 1.3B model, whose
+# fused kernel skips about half of it: the 1.3B's MFU is higher under this convention than under one that
+# counts causal attention at half.
 # MFU is the achieved model FLOP/s over the GPU's datasheet dense bf16 peak (989 TFLOP/s on an H100 SXM,
 # `flops.PEAK_TFLOPS`); we also give it against the **measured matmul ceiling**, the rate of one large bf16
 # matrix product on this GPU, which is what the tensor cores really deliver. Peak memory is the allocator's
@@ -469,7 +500,8 @@ def time_rung(model, name, rung):
 
 # %% [markdown]
 # One row per rung: throughput from the median synchronised step time, MFU against both ceilings, the
-# memory and the profiler's evidence.
+# memory and the profiler's evidence. A cell that does not apply to its row (the padding check times
+# nothing; most rungs need no note) is empty: `NaN` in Jupyter, a dash on the book's site.
 
 # %%
 def rung_row(name, model, rung, t, peak_gib):
@@ -693,6 +725,11 @@ else:
     print("skipped on CPU: MFU and GPU-busy need a GPU (the tiny models' CPU times say nothing about a GPU)")
 
 # %% [markdown]
+# A reading note on the knee: for both models the knee is the largest of the three batch sizes tried (the
+# sentences above list them), so the rule could only pick the largest; these searches show that throughput
+# still grew at the last step, not that it has flattened there.
+
+# %% [markdown]
 # **Where the rest goes.** The category table of the best rung of each model (shares of the GPU time of the
 # profiled steps, chapter 8's categories), with the GPU's idle time as one more row: what separates the MFU
 # from 100%. Matrix products run below the datasheet peak even when they fill the GPU; the other rows are
@@ -744,7 +781,11 @@ else:
 # emulation: the T4's 15 GB less this process's CUDA context, `measure.t4_budget`), and compare the measured
 # peak and throughput with the plan. Two kinds of suggestion are set aside: a bf16 base (a T4, compute
 # capability 7.5, has no bf16 tensor cores) and *paged* optimizer states, which live in CUDA managed memory
-# outside PyTorch's allocator, where the emulated cap cannot check them.
+# outside PyTorch's allocator, where the emulated cap cannot check them. The suggestions below are asked
+# with `plan.suggest`'s default bf16 base, so LoRA and QLoRA come with one and are set aside with it; asked
+# with `half="fp16"` (as the command line does for `--gpu T4`, section 10.1) they come with an fp16 base,
+# which a T4 can run. The recipe run here is therefore the cheapest change that keeps *full* fine-tuning,
+# not the cheapest change overall.
 
 # %%
 t4_start = plan.Setup(model="gpt-neox-1.3b", batch=8, seq=512, precision="fp16-autocast", optimizer="adamw")
@@ -822,6 +863,12 @@ if recipe_run is not None:
         display(Markdown(head + f"did not run here ({recipe_run['status']}), so this run cannot check it."))
 
 # %% [markdown]
+# What this run checks is the memory: the predicted and measured peaks above. The time cost beside the
+# recipe is the planner's rough factor from earlier chapters, not measured here (the setup it changes was
+# not timed beside it), and the slowdown on a real T4 is a datasheet ratio: a T4, at 70 W, usually runs its
+# matrix products well below its datasheet peak, so expect it to be slower still.
+
+# %% [markdown]
 # ## 10.5 A decision checklist
 #
 # **Out of memory?** First ask the planner (or measure, chapter 1) *which phase* holds the peak, then pick
@@ -852,9 +899,9 @@ if recipe_run is not None:
 # - A planner that adds up the terms the book measured predicts a training step's peak memory; section
 #   10.2 publishes its error over more than thirty measured setups, beside four popular estimators that
 #   leave out the activations or the temporaries.
-# - Most of a training step's speed comes from a few switches (SDPA, 16-bit autocast, a fused optimizer)
-#   and a batch large enough to keep the GPU busy; compilation comes last and is kept only when measured
-#   faster.
+# - Most of a training step's speed comes from 16-bit autocast and a batch large enough to keep the GPU
+#   busy; SDPA and a fused optimizer add less, and at a small batch part of their gain can sit within the
+#   noise (SDPA's larger gift is memory); compilation comes last and is kept only when measured faster.
 # - MFU against the datasheet hides two gaps: the matmul ceiling (what the tensor cores really deliver) and
 #   the time outside the matrix products; the profiler's category table shows the second.
 # - Plan, then measure: the planner says which change makes a run fit, the measurement says whether it did.
@@ -867,7 +914,7 @@ if recipe_run is not None:
 #
 # model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="sdpa").cuda()  # fp32 master weights
 # optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5, fused=True)
-# for layer in model.model.layers:        # regional compilation: one layer compiled, reused by all
+# for layer in model.model.layers:        # regional compilation (Llama-style; GPT-NeoX: model.gpt_neox.layers)
 #     layer.compile()
 # for batch in loader:                    # batch at the knee of the throughput curve
 #     with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -887,8 +934,9 @@ if recipe_run is not None:
 #    <details><summary>Hint</summary><code>plan.Setup(model="path/to/config.json", ...)</code>; compare
 #    <code>plan.predict(s).components</code> with the measured peak, and move one setting at a time (batch,
 #    then sequence length) to see which term scales with the gap.</details>
-#    <details><summary>Answer</summary>Expect an error of the size of section 10.2's table for the families
-#    it covers (BERT, GPT-NeoX, Llama). A gap that grows with batch × sequence is in the activation term; a
+#    <details><summary>Answer</summary>Expect an error of the size of section 10.2's table for the two
+#    families it measured (BERT, GPT-NeoX); the planner's Llama terms are counted on a CPU but were not measured
+#    on a GPU in this chapter, so expect larger gaps there. A gap that grows with batch × sequence is in the activation term; a
 #    constant gap is in a fixed term (workspaces, the optimizer's temporaries).</details>
 # 2. **Make the 1.3B recipe faster on the T4.** Ask `plan.suggest` for all the plans that fit and pick the
 #    one with the lowest time cost that keeps full fine-tuning. What does it give up?
@@ -897,8 +945,8 @@ if recipe_run is not None:
 #    <details><summary>Answer</summary>Every full fine-tuning plan that fits needs 8-bit (or factored)
 #    optimizer states *and* one more saving: micro-batches with accumulation, or checkpointing, which costs
 #    the most time. Paged states allow the micro-batch plan, but the emulated cap cannot check them (section
-#    10.4). LoRA fits with no other change but trains a small fraction of the parameters; a bf16 base is not
-#    an option on a T4.</details>
+#    10.4). LoRA fits with no other change but trains a small fraction of the parameters; on a T4 its base
+#    must be fp16 (<code>plan.suggest(setup, budget, half="fp16")</code>), not bf16.</details>
 # 3. **One more rung.** Add CUDA graphs (chapter 8, section 8.3) to the bert-large ladder at batch 4. Does it
 #    pay at the knee's batch, too?
 #    <details><summary>Hint</summary>Capture the whole step with <code>torch.cuda.graph</code> and a
