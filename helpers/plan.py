@@ -226,6 +226,9 @@ def validate(s: Setup) -> list[str]:
             )
     if s.seq > shape.max_positions:
         raise ValueError(f"seq {s.seq} exceeds the model's {shape.max_positions} positions")
+    if isinstance(ck, int) and not isinstance(ck, bool) and ck > shape.layers:
+        raise ValueError(f"checkpointing every k = {ck} layers: the model has only {shape.layers} layers "
+                         f"(use 'full' to checkpoint every layer, or k <= {shape.layers})")
     return notes
 
 

@@ -232,3 +232,9 @@ def test_a_config_object_plans_like_its_registry_name():
     by_name = plan.Setup(model="gpt-neox-1.3b", batch=16, seq=512)
     assert plan.predict(by_obj).peak_bytes == plan.predict(by_name).peak_bytes
     assert len(plan.suggest(by_obj, 14.0)) == len(plan.suggest(by_name, 14.0)) > 0
+
+
+def test_checkpointing_every_k_beyond_the_layers_is_refused():
+    with pytest.raises(ValueError, match="only 24 layers"):
+        plan.predict(plan.Setup(model="bert-large", batch=1, seq=128, checkpointing=25))
+    plan.predict(plan.Setup(model="bert-large", batch=1, seq=128, checkpointing=24))  # the last valid k
