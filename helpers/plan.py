@@ -54,10 +54,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import gc
 import math
 import sys
+import time
 import warnings
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,7 +70,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
-from helpers import estimates
+from helpers import accounting, cleanup, estimates
+from helpers import measure as _measure
 from helpers import models as _models
 
 GIB = 2**30
@@ -87,10 +91,10 @@ ALIASES = {
 }
 
 # GPU memory that programs can allocate, in GiB (what the CUDA driver reports as the device's total
-# memory; the T4's 14.75 GiB is ``measure.T4_MEMORY_GIB``). The planner compares the predicted peak
+# memory). The planner compares the predicted peak
 # allocated memory with this less ``CONTEXT_RESERVE_GIB`` (CUDA context, allocator fragmentation).
 GPU_MEMORY_GIB = {
-    "T4": 14.75,
+    "T4": _measure.T4_MEMORY_GIB,
     "L4": 22.0,
     "A10G": 22.0,
     "V100-16": 15.77,
@@ -1007,10 +1011,6 @@ def measure(s: Setup, device: str | torch.device = "cuda", steps: int = 2, seed:
 
     Not used in a chapter yet: chapter 10's planner (its section 10.2).
     """
-    import gc
-
-    from helpers import measure as _measure
-
     validate(s)
     dev = torch.device(device)
     cuda = dev.type == "cuda"
@@ -1033,20 +1033,12 @@ def measure(s: Setup, device: str | torch.device = "cuda", steps: int = 2, seed:
     except torch.OutOfMemoryError:
         result = {"status": "oom", "where": where[0], "setup": s.label(), "peak_allocated_bytes": None}
     finally:
-        gc.collect()  # everything _train built is unreachable once it has returned or raised
-        if cuda:
-            torch.cuda.empty_cache()
+        cleanup.collect()  # everything _train built is unreachable once it has returned or raised
     return result
 
 
 def _train(s: Setup, dev: torch.device, steps: int, seed: int, base: int, where: list[str]) -> dict:
     """The body of ``measure``: its locals (model, optimizer, batches) die with the call."""
-    import gc
-    import time
-
-    from helpers import accounting
-    from helpers import measure as _measure
-
     cuda = dev.type == "cuda"
     amp = _pclass(s) == "amp"
     amp_dtype = torch.float16 if s.precision.startswith("fp16") else torch.bfloat16
@@ -1069,7 +1061,7 @@ def _train(s: Setup, dev: torch.device, steps: int, seed: int, base: int, where:
             labels = ids if shape.head == "causal-lm" else torch.randint(0, 2, (s.batch,), generator=gen).to(dev)
             where[0] = f"step {step + 1}: forward"
             meter = accounting.SavedTensorMeter(model) if step == steps - 1 and micro == 0 else None
-            with rec.phase("forward"), (meter or _null()), torch.autocast(dev.type, dtype=amp_dtype, enabled=amp):
+            with rec.phase("forward"), (meter or nullcontext()), torch.autocast(dev.type, dtype=amp_dtype, enabled=amp):
                 loss = model(input_ids=ids, labels=labels).loss / s.grad_accum
             if meter is not None:
                 saved = meter.total_bytes
@@ -1100,14 +1092,6 @@ def _train(s: Setup, dev: torch.device, steps: int, seed: int, base: int, where:
     result["accounted_bytes"] = {**states, "activations": saved}
     result["step_s"] = float(pd.Series(times).median())
     return result
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 # ---------------------------------------------------------------------------------------------------
