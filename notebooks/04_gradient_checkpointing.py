@@ -688,7 +688,9 @@ if prof.on_gpu:
         part = summary.loc[name].dropna(subset=["memory saved (%)"])
         top = part.index.max()
         little = [int(b) for b in part.index if part.loc[b, "memory saved (%)"] < 2]
-        text = (f"- **{name}**: checkpointing cut the peak by {part['memory saved (%)'].min():.0f} to "
+        lo_saved = part["memory saved (%)"].min()
+        lo_txt = "no saving" if round(lo_saved) == 0 else f"{lo_saved:.0f}%"  # "-0%" is rounding, not a cost
+        text = (f"- **{name}**: checkpointing cut the peak by between {lo_txt} and "
                 f"{part['memory saved (%)'].max():.0f}%, at batch {top} from {part.loc[top, 'peak, plain (GiB)']:.1f} to "
                 f"{part.loc[top, 'peak, checkpointed (GiB)']:.1f} GiB.")
         if little:
@@ -704,10 +706,6 @@ if prof.on_gpu:
                      "the saving grows with the batch, as the activations' share of the peak does."))
 else:
     print("skipped on CPU: peak memory and the T4 budget need a GPU (the figure shows the bytes saved for backward)")
-
-# %% [markdown]
-# *Reading note on the committed H100 run:* a saving printed as "-0%" is no saving at all: the table above shows the
-# 1.3B model's peak unchanged (12.47 GiB) with and without checkpointing at batch 4, the minus sign is rounding.
 
 # %% [markdown]
 # **The price.** Recomputing every layer once should cost one more forward pass of the layers: a third of their
@@ -749,7 +747,7 @@ if prof.on_gpu:
     lines = []
     for name in SETUPS:
         part = summary.loc[name].dropna(subset=["time overhead (%)"])
-        items = [f"batch {b}: {r['time overhead (%)']:+.0f}% ({r['checkpointed vs plain']}; noise {r['noise (%)']:.0f}), predicted "
+        items = [f"batch {b}: {r['time overhead (%)']:+.0f}% ({r['checkpointed vs plain']}; noise ±{r['noise (%)']:.0f} percentage points), predicted "
                  f"{r['predicted: layer forward / step (%)']:.0f}%, *{r['measured vs predicted']}*, GPU busy "
                  f"{r['GPU busy, plain']:.0%} plain" for b, r in part.iterrows()]
         lines.append(f"- **{name}**: " + "; ".join(items) + ".")
@@ -798,9 +796,12 @@ if prof.on_gpu:
            else f"{head_time.max():.0%}")
         + " of its forward GPU time; the prediction above already leaves them out, so they do not explain a gap "
         "between measured and predicted cost.")
-    busy_rows = summary[(summary["GPU busy, plain"] >= timing.GPU_BOUND_BUSY) & summary["time overhead (%)"].notna()]
+    busy_rows = summary[(summary["GPU busy, plain"] >= timing.GPU_BOUND_BUSY)
+                        & (summary["GPU busy, checkpointed"] >= timing.GPU_BOUND_BUSY)
+                        & summary["time overhead (%)"].notna()]
     lines.append(
-        f"Where the GPU is the limit (busy {timing.GPU_BOUND_BUSY:.0%} or more without checkpointing), checkpointing cost "
+        f"Where the GPU is the limit (busy {timing.GPU_BOUND_BUSY:.0%} or more both with and without checkpointing), "
+        f"checkpointing cost "
         f"{busy_rows['time overhead (%)'].min():.0f} to {busy_rows['time overhead (%)'].max():.0f}% here; the Hugging "
         f"Face guide's rule of thumb is about 20%. Measure where your own batch sits." if len(busy_rows) else
         "None of these configurations kept the GPU busy most of the time, so none tests the Hugging Face guide's rule "
@@ -808,13 +809,6 @@ if prof.on_gpu:
     display(Markdown("\n".join(lines)))
 else:
     print("skipped on CPU: GPU kernel time and GPU-busy need a GPU, and a CPU's timings say nothing about a GPU's")
-
-# %% [markdown]
-# *Reading notes on the committed H100 run.* "noise" in the list above is in percentage points of the plain step
-# (the *noise* column defined before the table). The range "23 to 73%" for GPU-bound steps includes the 1.3B
-# model at batch 16, which is GPU-bound only without checkpointing: checkpointed, it is host-bound (GPU busy 66% in
-# the table), as the list says. The rows that stay GPU-bound with checkpointing cost 23 to 37%, above the guide's
-# 20% and close to one forward pass of the layers.
 
 # %% [markdown]
 # **The LLM book's case.** The book's 1.3B model ran out of memory at batch 16 on a T4 (chapters 1 and 3) and,
@@ -912,9 +906,13 @@ if prof.on_gpu:
     cmp = timing.compare(hf_timed, "bs 1 x ga 4")["bs 1 x ga 4 + checkpointing"]
     mem_ratio = hf["peak allocated (GiB)"].iloc[1] / hf["peak allocated (GiB)"].iloc[0]
     busy = hf["GPU busy"].iloc[0]
-    noise_word = "within the noise" if cmp["difference"] == "within the noise" else "beyond the noise"
-    text = (f"Checkpointing makes this configuration {time_ratio:.2f} times slower here ({noise_word}); the "
-            f"guide measured {85.47 / 66.03:.2f} times on its V100. ")
+    if cmp["difference"] == "within the noise":
+        text = ("Checkpointing leaves this configuration's step time within the noise of the plain one here (the "
+                "table has each step's IQR), so this run cannot compare it with the guide, which measured "
+                f"{85.47 / 66.03:.2f} times slower on its V100. ")
+    else:
+        text = (f"Checkpointing makes this configuration {time_ratio:.2f} times as slow here ({cmp['difference']}, "
+                f"beyond the noise); the guide measured {85.47 / 66.03:.2f} times on its V100. ")
     text += (f"The peak does not fall (ratio {mem_ratio:.2f}), where the guide's NVML reading fell to "
              f"{6775 / 8681:.2f}: at batch 1 our peak is the optimizer step, weights, gradients, AdamW's states and the "
              f"step's temporary buffer, none of which checkpointing touches (NVML, which the guide read, also counts "
@@ -923,17 +921,10 @@ if prof.on_gpu:
     if busy < timing.HOST_BOUND_BUSY:
         text += (f"A batch of one sequence keeps this GPU ({cap.name}) busy only {busy:.0%} of the step: its time is "
                  f"the CPU launching kernels, and the recomputation launches the forward pass's kernels again. ")
-    text += ("At batch 1 checkpointing buys little and costs the most; it pays at the other end, where a batch does "
-             "not fit at all.")
+    text += ("At batch 1 checkpointing buys little; it pays at the other end, where a batch does not fit at all.")
     display(Markdown(text))
 else:
     print("skipped on CPU: peak memory and GPU-busy need a GPU")
-
-# %% [markdown]
-# *Reading note on the committed H100 run:* "1.40 times slower (within the noise)" means the median step was 1.40
-# times longer, but the checkpointed steps spread widely (IQR 0.15 s on a 0.45 s median, in the table above), so
-# this run cannot tell its 1.40 from the guide's 1.29, nor show that batch 1 costs more than the larger batches of
-# the sweep above. What it does show is a host-bound step whose peak checkpointing does not lower.
 
 # %% [markdown]
 # ## 4.4 Beyond the sources: checkpoint less, or move the activations away
@@ -1043,9 +1034,13 @@ ax.set_xlabel("forward + backward time, relative to storing everything (bars: IQ
 ax.set_ylabel(f"{memory_col.replace(' (MiB)', '')} (MiB)")
 ax.set_ylim(bottom=0)
 fig.legend(loc="lower center", ncol=3, fontsize=8)
-cheapest = stack_table.drop(index="store everything")["time vs store everything"].idxmin()
+modes_timed = {k: stack_timed[k] for k in stack_table.index if k != "store everything"}
+cheapest = stack_table.loc[list(modes_timed), "time vs store everything"].idxmin()
+cmp_cheap = timing.compare(modes_timed, cheapest)
+clear_winner = all(cmp_cheap[k]["difference"] == "slower" for k in modes_timed if k != cheapest)
 ax.set_title(f"{n_blocks} blocks, hidden {hidden}, batch {stack_batch} x {block_seq}: every mode trades time for "
-             f"memory; cheapest in time: {cheapest}", fontsize=9)
+             f"memory" + (f"; cheapest in time: {cheapest}" if clear_winner else
+                          "; no mode is cheapest in time beyond the noise"), fontsize=9)
 fig.tight_layout(rect=(0, 0.12, 1, 1))
 
 # %% tags=["remove-input"]
@@ -1107,10 +1102,6 @@ else:
 display(Markdown(text))
 
 # %% [markdown]
-# *Reading note on the committed H100 run:* the figure's title names the cheapest mode by its median alone; as the
-# text says, recomputing the MLP half and recomputing the attention half cost the same within the noise here, and
-# the whole stack is host-bound, so this run does not rank the two halves by time.
-#
 # Transformers can combine the two ideas: in releases that accept `activation_checkpointing_enable(offload=True)`,
 # each layer is checkpointed and its input, the only tensor it keeps, goes to pinned host memory. The cell below
 # asks the installed version and, where it can, measures it on bert-large against plain checkpointing.
