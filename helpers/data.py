@@ -142,7 +142,10 @@ class TokenizingDataset:
     Sample ``i`` is a pseudo-text of ``words`` words drawn from a fixed seeded vocabulary of made-up words;
     ``__getitem__`` splits it, maps each word to sub-word ids with a pure-Python greedy longest-match over
     a fixed sub-word table (the shape of WordPiece), truncates or pads to ``seq_len`` and returns
-    ``input_ids``, ``attention_mask`` and ``labels`` tensors. The cost per sample grows with ``words``;
+    ``input_ids``, ``attention_mask`` and ``labels`` tensors. Each sequence starts with BERT's [CLS] (id 101)
+    and ends with [SEP] (id 102), also when it is truncated; sub-word ids start at 104, above BERT's special
+    ids ([PAD] 0, [UNK] 100, [CLS] 101, [SEP] 102, [MASK] 103), so ``vocab_size`` must exceed 104.
+    The cost per sample grows with ``words``;
     nothing is cached, so every epoch pays it again, as an on-the-fly tokenizer does. Picklable, so
     ``DataLoader`` workers can run it.
 
@@ -153,18 +156,26 @@ class TokenizingDataset:
     Introduced in chapter 9, section 9.5.
     """
 
+    CLS_ID, SEP_ID, FIRST_SUBWORD_ID = 101, 102, 104
+
     def __init__(self, n_samples: int, seq_len: int, *, words: int = 200, vocab_size: int = 30000,
                  num_labels: int = 2, seed: int = 0) -> None:
         _check_sizes(n_samples, seq_len)
         if words < 1:
             raise ValueError(f"words must be positive, got {words}")
+        if seq_len < 2:
+            raise ValueError(f"seq_len must be at least 2 ([CLS] and [SEP]), got {seq_len}")
+        if vocab_size <= self.FIRST_SUBWORD_ID:
+            raise ValueError(f"vocab_size must exceed {self.FIRST_SUBWORD_ID} (ids up to {self.FIRST_SUBWORD_ID - 1} "
+                             f"are BERT's special tokens), got {vocab_size}")
         self.n_samples, self.seq_len, self.words = n_samples, seq_len, words
         self.vocab_size, self.num_labels, self.seed = vocab_size, num_labels, seed
         rng = np.random.default_rng(seed)
         letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
         self.lexicon = ["".join(rng.choice(letters, size=rng.integers(3, 11))) for _ in range(2000)]
         pieces = {w[:k] for w in self.lexicon[::3] for k in (2, 3, 4)} | set(letters.tolist())
-        self.subwords = {p: 100 + i % (vocab_size - 100) for i, p in enumerate(sorted(pieces))}
+        first = self.FIRST_SUBWORD_ID
+        self.subwords = {p: first + i % (vocab_size - first) for i, p in enumerate(sorted(pieces))}
 
     def __len__(self) -> int:
         return self.n_samples
@@ -176,7 +187,7 @@ class TokenizingDataset:
 
     def tokenize(self, text: str) -> list[int]:
         """Greedy longest-match sub-word ids of ``text`` (pure Python: the CPU work of a sample)."""
-        ids = [101]
+        ids = [self.CLS_ID]
         for word in text.split():
             start = 0
             while start < len(word):
@@ -186,13 +197,15 @@ class TokenizingDataset:
                         ids.append(self.subwords[piece])
                         start = end
                         break
-        ids.append(102)
+        ids.append(self.SEP_ID)
         return ids
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if not 0 <= index < self.n_samples:
             raise IndexError(f"index {index} out of range for {self.n_samples} samples")
-        ids = self.tokenize(self.text(index))[: self.seq_len]
+        ids = self.tokenize(self.text(index))
+        if len(ids) > self.seq_len:  # truncate the text, keep the closing [SEP]
+            ids = ids[: self.seq_len - 1] + [self.SEP_ID]
         n = len(ids)
         input_ids = torch.zeros(self.seq_len, dtype=torch.long)
         input_ids[:n] = torch.tensor(ids, dtype=torch.long)

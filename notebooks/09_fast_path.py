@@ -32,8 +32,8 @@
 #   *packing* (several documents per row, with position ids that keep them apart) recover it, checked for
 #   correctness;
 # - what `torch.compile` costs (compile time, recompilations when shapes change) and buys on bert-large
-#   and on the 1.3B GPT-NeoX, in its `default` mode (and `reduce-overhead` where the time budget allows),
-#   whole-model and per layer, and what it can do to the attention kernel;
+#   and on the 1.3B GPT-NeoX, in its `default` and `reduce-overhead` modes, compiled per layer, and what
+#   compiling or capturing a whole model can do to the attention kernel;
 # - how a CUDA graph removes the launch overhead of a host-bound step, and which attention kernel runs
 #   inside one;
 # - how to find and remove an input-pipeline stall (`num_workers`, `pin_memory`, `non_blocking`);
@@ -407,28 +407,36 @@ dtype_table = None
 if profiles.cuda_or_skip("fp16 and bf16 attention kernels are a GPU matter") and cap.bf16:
     lens16 = [1024, 4096]
     parts = {name: sweep(dt, lens16, IMPLS) for name, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16))}
-    dtype_table = pd.DataFrame({f"{name} median (ms)": t["fwd+bwd median (ms)"] for name, t in parts.items()})
-    dtype_table["fp16 / bf16"] = dtype_table["fp16 median (ms)"] / dtype_table["bf16 median (ms)"]
+    dtype_rows = {}
+    for key in parts["bf16"].index:
+        tb, tf = parts["bf16"].loc[key, "timed"], parts["fp16"].loc[key, "timed"]
+        if not isinstance(tb, timing.Timed) or not isinstance(tf, timing.Timed):
+            continue
+        c = timing.compare({"bf16": tb, "fp16": tf}, "bf16")["fp16"]
+        dtype_rows[key] = {"bf16 median (ms)": tb.wall.median * 1e3, "bf16 IQR (ms)": tb.wall.iqr * 1e3,
+                           "fp16 median (ms)": tf.wall.median * 1e3, "fp16 IQR (ms)": tf.wall.iqr * 1e3,
+                           "fp16 / bf16": tf.wall.median / tb.wall.median, "fp16 against bf16": c["difference"]}
+    dtype_table = pd.DataFrame(dtype_rows).T.rename_axis(["implementation", "seq len"])
     display(dtype_table)
 elif prof.on_gpu:
     print("skipped: this GPU has no bf16 tensor cores, so the sweep above already ran in fp16")
 
 # %% tags=["remove-input"]
-if dtype_table is not None:
-    r = dtype_table["fp16 / bf16"].dropna().astype(float)
-    display(Markdown(
-        f"fp16 takes between {r.min():.2f} and {r.max():.2f} times the bf16 time across the backends and lengths "
-        + ("that ran: the same speed within a few percent. " if r.between(0.9, 1.1).all() else "that ran. ")
-        + "The choice between them is about range and loss scaling (chapter 5), not attention speed."
-    ))
-
-# %% [markdown]
-# *Reading the table above.* The ratios are not all near 1: in this run the written-out (eager) version was
-# faster in fp16 and the fastest fused kernels were slower in fp16 at the shorter length, by more than the
-# spread the main sweep shows for the same cases (this smaller table has no spread column of its own). So the
-# sentence's "not attention speed" is too strong here: the speed of one dtype against the other depends on the
-# kernel, and it is worth measuring on your GPU before choosing on speed. The argument from range and loss
-# scaling (chapter 5) stands.
+if dtype_table is not None and len(dtype_table):
+    verdicts = dtype_table["fp16 against bf16"]
+    r = dtype_table["fp16 / bf16"].astype(float)
+    differ = [f"{impl} at s = {s} ({verdicts[(impl, s)]}, {r[(impl, s)]:.2f})" for impl, s in dtype_table.index
+              if verdicts[(impl, s)] != "within the noise"]
+    if not differ:
+        text = (f"In every case that ran, fp16 and bf16 take the same time within the noise (fp16 / bf16 between "
+                f"{r.min():.2f} and {r.max():.2f}): the choice between them is about range and loss scaling "
+                f"(chapter 5), not attention speed.")
+    else:
+        text = (f"fp16 and bf16 are within the noise of each other in {int((verdicts == 'within the noise').sum())} "
+                f"of the {len(verdicts)} cases; fp16 differs beyond the spread in these: {'; '.join(differ)}. "
+                f"Which type is faster depends on the kernel and the length, so measure on your GPU before choosing "
+                f"on speed; the argument from range and loss scaling (chapter 5) holds either way.")
+    display(Markdown(text))
 
 # %%
 cleanup.collect()
@@ -621,10 +629,10 @@ else:
 # `torch.compile(model)` traces the Python code of `forward` into graphs (TorchDynamo), derives the backward
 # graph ahead of time (AOTAutograd), and generates fused kernels for the element-wise and normalisation
 # parts with Triton (TorchInductor); matrix products still go to cuBLAS, and attention is meant to stay in
-# the SDPA kernels (the bert-large run below shows a case where it did not).
+# the SDPA kernels (the category table below checks that it did, and section 9.4 probes a case where it does not).
 # What it can buy: fewer passes over memory (fusion) and fewer kernel launches. What it costs: the
 # compilation itself, at the first call and again whenever a guard fails (a new shape, a new dtype), and
-# sometimes memory. Two modes are set up here (the second runs only if the chapter's time budget allows):
+# sometimes memory. Two modes are measured here (each starts only if the chapter's time budget allows it):
 #
 # - `default`: fusion only;
 # - `reduce-overhead`: fusion, then the whole compiled graph is recorded as a CUDA graph and replayed,
@@ -633,12 +641,16 @@ else:
 # `max-autotune` also benchmarks several kernel variants per matrix product; it takes minutes per model,
 # more than this chapter's budget, so it is left to an exercise.
 #
-# Compiling bert-large whole is affordable. For the 1.3B model we use **regional compilation**: compile
-# each transformer layer (`layer.compile()`) instead of the model. All 24 layers run the same code, so
-# TorchDynamo can compile it once and reuse it, as long as nothing that differs between layers is guarded on
-# (the note after the tables shows what broke this here); compile time is then that of one layer, and the
-# embeddings, the final norm and the loss stay eager. Each model is timed eager first, then compiled, on the
-# same weights and batch; compile time is the first compiled step's time minus an eager step.
+# Both models use **regional compilation**: compile each transformer layer (`layer.compile()`) instead of
+# the whole model. All 24 layers of either model run the same code, so TorchDynamo can compile it once and
+# reuse it, as long as nothing that differs between layers is guarded on. A key-value cache is such a thing:
+# with the config's default `use_cache=True`, the GPT-NeoX model builds a cache even in a training step and
+# hands each layer its own entry, and every layer then recompiles. Training needs no cache, so `build` sets
+# `model.config.use_cache = False`, and `compile_runs` asserts that the layers compiled fewer times than there
+# are layers and never again while timed. Compile time is then that of one layer, and the embeddings, the
+# masks, the final norm and the loss stay eager. Each model is timed eager first, then compiled, on the same
+# weights and batch; compile time is the first compiled step's time minus an eager step. `reduce-overhead`
+# runs first on bert-large, because it is the mode a host-bound step needs.
 
 # %%
 SETUPS = {
@@ -652,6 +664,7 @@ SETUPS = {
 def build(name, **optimizer_kwargs):
     """Model ``name`` (fp32 weights, seeded) and an AdamW for it."""
     model = models.build(name, head=SETUPS[name]["head"], dtype=torch.float32).train()
+    model.config.use_cache = False  # a training step needs no key-value cache (and a cache breaks regional compile)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-5, **optimizer_kwargs)
 
 
@@ -676,8 +689,16 @@ def make_step(model, optimizer, batch, *, new_graph_step=False):
     return step
 
 
+RECOMPILE_LIMIT = torch._dynamo.config.recompile_limit  # recompilations of one code object before it runs eagerly
+
+
+def layers_of(model):
+    """The transformer layers of a BERT or GPT-NeoX model: the unit of regional compilation."""
+    return model.gpt_neox.layers if hasattr(model, "gpt_neox") else model.bert.encoder.layer
+
+
 def compile_runs(name, how, modes, budget_s):
-    """Eager, then each compile mode, on one model: timings, peaks, compile seconds, graph counters."""
+    """Eager, then each compile mode, on one model: timings, peaks, compile seconds, compilation counters."""
     from torch._dynamo.utils import counters
 
     model, optimizer = build(name)
@@ -690,12 +711,13 @@ def compile_runs(name, how, modes, budget_s):
         if seconds_left() < budget_s[mode]:
             info[label] = {"note": "skipped: not enough of the chapter's time budget left"}
             continue
+        torch._dynamo.reset()  # each mode compiles afresh, not from the previous mode's cache
         counters.clear()
         try:
             if how == "whole model":
                 target = torch.compile(model, mode=mode)
             else:
-                for layer in model.gpt_neox.layers:
+                for layer in layers_of(model):
                     layer.compile(mode=mode)
                 target = model
             step = make_step(target, optimizer, batch, new_graph_step=mode == "reduce-overhead")
@@ -704,6 +726,7 @@ def compile_runs(name, how, modes, budget_s):
             step()
             measure.synchronize(dev)
             first_s = time.perf_counter() - t0
+            compilations = counters["frames"]["ok"]  # TorchDynamo compilations: each code object, plus each recompile
             measure.reset_peak(dev)
             timed[label] = timing.time_it(step, device=dev)
         except Exception as err:  # a compile that fails is a result too
@@ -711,21 +734,28 @@ def compile_runs(name, how, modes, budget_s):
             continue
         info[label] = {"peak allocated (GiB)": torch.cuda.max_memory_allocated() / 2**30,
                        "compile time (s)": first_s - timed["eager"].wall.median,
-                       "graphs compiled": counters["stats"]["unique_graphs"],
+                       "compilations (first step)": compilations,
+                       "recompilations while timed": counters["frames"]["ok"] - compilations,
                        "graph breaks": sum(counters["graph_break"].values())}
+        if how == "per layer":  # all layers run one code object: compiled once, not once per layer
+            n_layers = len(layers_of(model))
+            assert compilations < min(n_layers, RECOMPILE_LIMIT), (
+                f"{name}: {compilations} compilations for {n_layers} layers (recompile limit {RECOMPILE_LIMIT}): a guard "
+                f"differs between layers, and layers past the limit ran eagerly (TORCH_LOGS=recompiles names the guard)")
+            assert info[label]["recompilations while timed"] == 0, f"{name}: recompiled during the timed steps"
     return timed, info
 
 
 compiled = {}
 if prof.on_gpu:
-    compiled["bert-large-uncased"] = compile_runs("bert-large-uncased", "whole model", ["default", "reduce-overhead"],
-                                                  {"default": 75, "reduce-overhead": 60})
+    compiled["bert-large-uncased"] = compile_runs("bert-large-uncased", "per layer", ["reduce-overhead", "default"],
+                                                  {"reduce-overhead": 40, "default": 30})
 else:
     print("skipped on CPU: compiling takes minutes on a small CPU and its speed-ups are a GPU matter")
 
 # %%
 if prof.on_gpu:
-    compiled["polyglot-ko-1.3b"] = compile_runs("polyglot-ko-1.3b", "per layer", ["default"], {"default": 45})
+    compiled["polyglot-ko-1.3b"] = compile_runs("polyglot-ko-1.3b", "per layer", ["default"], {"default": 25})
 
 
 def compile_table(results):
@@ -741,7 +771,8 @@ def compile_table(results):
                             "speed-up vs eager": cmp[label]["speed-up"], "verdict": cmp[label]["difference"]})
             rows[(name, label)] = row
     cols = ["step median (ms)", "IQR (ms)", "speed-up vs eager", "verdict", "GPU busy", "kernels per step",
-            "peak allocated (GiB)", "compile time (s)", "graphs compiled", "graph breaks", "note"]
+            "peak allocated (GiB)", "compile time (s)", "compilations (first step)", "recompilations while timed",
+            "graph breaks", "note"]
     table = pd.DataFrame(rows).T
     return table[[c for c in cols if c in table.columns]].rename_axis(["model", "variant"])
 
@@ -815,41 +846,32 @@ if compiled:
                 f"{t.kernels_per_call:,} GPU operations per step (eager {e.kernels_per_call:,}); element-wise and "
                 f"normalisation kernels {cats_c.get(ew, 0):.1f} ms (eager {cats_e.get(ew, 0):.1f} ms); peak "
                 f"{row['peak allocated (GiB)']:.2f} GiB (eager {info['eager']['peak allocated (GiB)']:.2f} GiB); "
-                f"{row['graphs compiled']} graph(s), {row['graph breaks']} graph break(s).")
-            if c["difference"] != "faster" and e.verdict == "GPU-bound":
+                f"{row['compilations (first step)']} TorchDynamo compilation(s) for the first step, "
+                f"{row['recompilations while timed']} while timed, {row['graph breaks']} graph break(s).")
+            att_e, att_c = cats_e.get("attention", 0.0), cats_c.get("attention", 0.0)
+            gemm_e, gemm_c = cats_e.get("GEMM", 0.0), cats_c.get("GEMM", 0.0)
+            if att_e > 0.5 and att_c < 0.05 * att_e:
                 lines.append(
-                    "  The eager step was already GPU-bound, so launch savings cannot help, and the time is in matrix "
-                    "products and attention kernels that compilation does not replace.")
+                    f"  **Attention fell back to matrix products**: attention kernels took {att_e:.1f} ms eager and "
+                    f"{att_c:.1f} ms compiled, while the GEMM time went from {gemm_e:.1f} to {gemm_c:.1f} ms. The compiled "
+                    f"step computes attention as batched products and a softmax, the slow path of section 9.1 (section "
+                    f"9.4 probes why).")
+            elif c["difference"] != "faster" and e.verdict == "GPU-bound":
+                lines.append(
+                    f"  Attention kernels ran in both ({att_e:.1f} ms eager, {att_c:.1f} ms compiled; GEMM {gemm_e:.1f} "
+                    f"against {gemm_c:.1f} ms), and the eager step was already GPU-bound, so launch savings cannot help: "
+                    f"the time is in matrix products and attention kernels that compilation does not replace.")
     display(Markdown("\n".join(lines)))
 else:
     print("skipped on CPU: no compilation ran")
 
 # %% [markdown]
-# **Reading the run above.** The verdicts need three corrections from the tables themselves:
-#
-# - *bert-large's attention did not survive compilation.* The category table shows no time in attention
-#   kernels for the compiled bert-large step, while its GEMM row roughly doubled and its element-wise row grew,
-#   and the compiled step's peak memory is several GiB higher: attention ran as batched matrix products and a
-#   softmax that store the *s* × *s* matrix, the slow path of section 9.1. So the rendered sentence's "attention
-#   kernels that compilation does not replace" is wrong for this run, and "already GPU-bound" is not the whole
-#   explanation: the extra GEMM and softmax time is of the size of the slowdown. The likely route is in
-#   transformers' masking code: it drops an all-ones padding mask (so that SDPA may pick a fused kernel without
-#   a mask) only when it is *not* tracing, and it counts both `torch.compile` and CUDA-graph capture as tracing
-#   (`transformers.utils.import_utils.is_tracing`); compiled, SDPA therefore receives an explicit mask. Why no
-#   fused kernel that accepts a mask (memory-efficient) ran instead was not established in this run. Compiling
-#   bert-large with its attention intact was not measured, so this run says nothing about that case.
-# - *The 1.3B model was compiled only in part.* The warning printed above: the config's `use_cache=True` makes
-#   the model build a key-value cache even in a training step and hand it to every layer; each layer's cache
-#   entry becomes a guard, so every layer triggered a recompilation, and after
-#   `torch._dynamo.config.recompile_limit` (8) compilations TorchDynamo ran the remaining layers eagerly. The
-#   *graphs compiled* column shows 8: 8 of the 24 layers were compiled, the other 16 ran eagerly, and the
-#   compile time covers 8 compilations, not one. The 1.3B row (here and in the closing table) measures that
-#   partial compilation, not the regional compilation described above. Calling the model with `use_cache=False`
-#   (as section 9.2 does for packing) should remove the per-layer guard so that one compilation serves all 24
-#   layers; that was not measured here.
-# - *Skipped rows.* `reduce-overhead` on bert-large did not fit the chapter's time budget and was not measured;
-#   nothing in this chapter's outputs shows what it buys. Run the cell again with a larger `COMPILE_DEADLINE_S`
-#   to measure it.
+# *Why per layer, and not the whole model.* Compiling bert-large whole also traces transformers' code that
+# builds the attention mask. That code drops an all-ones padding mask (so that SDPA may pick a fused kernel
+# without a mask) only when it is *not* tracing, and it counts `torch.compile` and CUDA-graph capture as
+# tracing (`transformers.utils.import_utils.is_tracing`). Compiled per layer, the mask is built eagerly,
+# outside the compiled region. Section 9.4 tests, on a bare SDPA call and on a small BERT, whether a mask under
+# compilation or capture is what costs the fused kernel.
 
 # %% [markdown]
 # **Recompilation when the sequence length changes.** A compiled graph is specialised to its input shapes
@@ -862,7 +884,7 @@ else:
 # ```python
 # counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
 # layer_c = torch.compile(layer, backend=counter, dynamic=False)
-# ... counter.frame_count   # graphs compiled so far
+# ... counter.frame_count   # compilations so far (the first, plus each recompilation)
 # ```
 
 # %%
@@ -893,7 +915,7 @@ else:
                     measure.synchronize(dev)
                 rows[(f"dynamic={dynamic}", s)] = {"compiled a graph": counter.frame_count > before,
                                                    "first call (s)": time.perf_counter() - t0,
-                                                   "graphs so far": counter.frame_count}
+                                                   "compilations so far": counter.frame_count}
         recompiles = pd.DataFrame(rows).T.rename_axis(["setting", "seq len"])
     except Exception as err:  # a compiler that cannot run here is a result too
         print(f"compilation failed: {type(err).__name__}: {str(err).splitlines()[0][:120]}")
@@ -909,22 +931,16 @@ if recompiles is not None:
     display(Markdown(
         f"Of the three lengths, {n['dynamic=False']} triggered a compilation with `dynamic=False`, {n['dynamic=None']} by "
         f"default and {n['dynamic=True']} with `dynamic=True`; a call that compiled took {cost.min():.1f} to "
-        f"{cost.max():.1f} s, one that did not a fraction of a second. (The last column counts TorchDynamo's graphs: "
-        f"one compilation of a layer can produce several, where the code breaks the graph.) With variable-length "
+        f"{cost.max():.1f} s, one that did not a fraction of a second (a shape that an earlier setting already compiled "
+        f"can be served from Inductor's on-disk cache and take less). With variable-length "
         f"batches, either pad to a few fixed lengths (buckets) and accept one compilation per bucket, or let "
         f"automatic dynamic shapes settle after the first change. "
         f"`TORCH_LOGS=recompiles` prints the failing guard of every recompilation, and TorchDynamo stops "
-        f"recompiling a function after `torch._dynamo.config.cache_size_limit` graphs (8 by default) and runs it "
-        f"eagerly from then on, silently slower."
+        f"recompiling a function (a code object) after `torch._dynamo.config.recompile_limit` recompilations "
+        f"({RECOMPILE_LIMIT} in this PyTorch; `cache_size_limit` is its older name) and runs it eagerly from then on, "
+        f"silently slower: with 24 layers sharing one code object, that limit is how a per-layer compile can end up "
+        f"compiling only some of its layers."
     ))
-
-# %% [markdown]
-# *Two corrections to the sentence above.* In torch 2.11 the limit is called
-# `torch._dynamo.config.recompile_limit` (`cache_size_limit` is the older name, still accepted as an alias), as
-# the warning printed by the 1.3B compile shows; it limits the recompilations of one function (code object),
-# not a number of graphs. And the shortest compile time in the table (the default setting's first length) is
-# for a graph that the `dynamic=False` row had just compiled, so it was most likely served from Inductor's
-# cache rather than compiled afresh.
 
 # %% [markdown]
 # ## 9.4 CUDA graphs for a host-bound step
@@ -981,6 +997,111 @@ if profiles.cuda_or_skip("CUDA graphs need a GPU"):
     sdpa_probe = pd.Series(rows, name="attention kernel seen").to_frame().rename_axis(["dropout", "run"])
     cleanup.free(globals(), "q", "k", "v")
     display(sdpa_probe)
+
+# %% [markdown]
+# **Does a mask cost the fused kernel under compilation or capture?** Section 9.3 explained why a compiled or
+# captured BERT may hand SDPA an explicit all-ones mask. Two probes separate the possible causes, reading the
+# kernel names as above. First the bare SDPA call (same shape, no dropout) with no mask, an all-True boolean
+# mask of shape [b, 1, s, s] and an all-zero additive mask of that shape, each eager, compiled
+# (`torch.compile` of the call) and captured in a CUDA graph. Then the forward pass of a two-layer BERT with
+# bert-large's layer shape (the attention path is the same in every layer), called with `attention_mask=None`,
+# with an all-ones padding mask and with a real padding mask (the last 64 tokens padded), eager, compiled whole
+# and captured.
+
+# %%
+mask_probe = None
+if profiles.cuda_or_skip("the kernel names under compilation and capture need a GPU"):
+    pb, ps = 4, 512
+    q, k, v = qkv(pb, 16, ps, 64, AMP)
+    sdpa_masks = {"no mask": None,
+                  "all-True boolean [b,1,s,s]": torch.ones(pb, 1, ps, ps, dtype=torch.bool, device=dev),
+                  "all-zero additive [b,1,s,s]": torch.zeros(pb, 1, ps, ps, dtype=AMP, device=dev)}
+
+    def sdpa_call(q, k, v, m):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+    sdpa_compiled = torch.compile(sdpa_call, dynamic=False)
+    rows = {}
+
+    def kernel_after_warmup(fn):
+        fn()  # compiles, where the function is compiled, outside the profile
+        measure.synchronize(dev)
+        return attention_kernels(profiler.profile(fn, device=dev))
+
+    def kernel_captured(fn):
+        try:
+            graph = captured(fn)
+            found = attention_kernels(profiler.profile(graph.replay, device=dev))
+            del graph
+            return found
+        except RuntimeError as err:
+            return f"capture failed: {str(err).splitlines()[0][:80]}"
+
+    for mname, m in sdpa_masks.items():
+        def fwd_bwd(fn=sdpa_call, m=m):
+            out = fn(q, k, v, m)
+            out.backward(torch.ones_like(out))
+        rows[("bare SDPA, fwd+bwd", mname, "eager")] = kernel_after_warmup(fwd_bwd)
+        rows[("bare SDPA, fwd+bwd", mname, "compiled")] = kernel_after_warmup(lambda m=m: fwd_bwd(sdpa_compiled, m))
+        rows[("bare SDPA, fwd+bwd", mname, "CUDA graph")] = kernel_captured(fwd_bwd)
+    cleanup.free(globals(), "q", "k", "v")
+
+    small_bert = models.build("bert-large-uncased", num_hidden_layers=2, device=dev).eval()
+    small_compiled = torch.compile(small_bert, dynamic=False)
+    probe_ids = torch.randint(1000, 2000, (pb, ps), device=dev)
+    padded = torch.ones(pb, ps, dtype=torch.long, device=dev)
+    padded[:, -64:] = 0
+    bert_masks = {"attention_mask=None": None, "all-ones padding mask": torch.ones_like(probe_ids),
+                  "padding mask (last 64 tokens padded)": padded}
+    for mname, m in bert_masks.items():
+        def bert_fwd(mod=small_bert, m=m):
+            with torch.no_grad(), torch.autocast("cuda", dtype=AMP, cache_enabled=False):
+                return mod(input_ids=probe_ids, attention_mask=m).last_hidden_state
+        rows[("2-layer BERT, forward", mname, "eager")] = kernel_after_warmup(bert_fwd)
+        rows[("2-layer BERT, forward", mname, "compiled")] = kernel_after_warmup(lambda m=m: bert_fwd(small_compiled, m))
+        rows[("2-layer BERT, forward", mname, "CUDA graph")] = kernel_captured(bert_fwd)
+    torch._dynamo.reset()
+    cleanup.free(globals(), "small_bert", "small_compiled", "sdpa_compiled", "probe_ids", "padded", "sdpa_masks",
+                 "bert_masks")
+    mask_probe = (pd.Series(rows, name="attention kernel seen").unstack(-1)[["eager", "compiled", "CUDA graph"]]
+                  .rename_axis(["call", "mask"]))
+    display(mask_probe)
+
+# %% tags=["remove-input"]
+if mask_probe is not None:
+    def is_fused(label):
+        return not (label.startswith("none") or label.startswith("capture failed"))  # a failed capture: no evidence
+
+    failed = [f"{call} with {mask}" for (call, mask), row in mask_probe.iterrows() for run, v in row.items()
+              if v.startswith("capture failed")]
+    lost = [f"{call} with {mask}, {run}" for (call, mask), row in mask_probe.iterrows() for run, v in row.items()
+            if v.startswith("none")]
+    text = [("No fused attention kernel ran in: " + "; ".join(lost) + ". Every other case ran a fused kernel"
+             + (" or failed to capture." if failed else "."))
+            if lost else "No case that ran lacked a fused attention kernel."]
+    if failed:
+        text.append("The capture failed for: " + "; ".join(failed) + " (the table gives the error).")
+    bare = mask_probe.loc["bare SDPA, fwd+bwd"]
+    bare_nomask_ok = all(is_fused(v) for v in bare.loc["no mask"])
+    bare_mask_lost = [m for m in bare.index if m != "no mask" and any(v.startswith("none") for v in bare.loc[m])]
+    if bare_nomask_ok and bare_mask_lost:
+        text.append("On the bare call, the mask is what matters: without one every run keeps a fused kernel, with "
+                    f"{' and '.join(bare_mask_lost)} some run does not.")
+    elif bare_nomask_ok and not bare_mask_lost:
+        text.append("On the bare call an all-ones mask keeps a fused kernel eager, compiled and captured, so a mask as "
+                    "such is not the cause at the level of SDPA.")
+    bert = mask_probe.loc["2-layer BERT, forward"]
+    none_ok = all(is_fused(bert.loc["attention_mask=None", r]) for r in ("compiled", "CUDA graph"))
+    ones_lost = [r for r in ("compiled", "CUDA graph") if bert.loc["all-ones padding mask", r].startswith("none")]
+    if none_ok and ones_lost:
+        text.append(f"In BERT, `attention_mask=None` keeps a fused kernel compiled and captured, while an all-ones "
+                    f"padding mask loses it ({', '.join(ones_lost)}): the mask that transformers keeps while tracing is "
+                    f"the route to the slow path. A batch without padding can be called with no mask, or the model compiled "
+                    f"per layer (section 9.3), where transformers builds the mask eagerly and drops an all-ones one.")
+    elif any(bert.loc["attention_mask=None", r].startswith("none") for r in ("compiled", "CUDA graph")):
+        text.append("In BERT, even `attention_mask=None` loses the fused kernel under compilation or capture, so the "
+                    "mask is not the whole cause there.")
+    display(Markdown(" ".join(text)))
 
 # %% [markdown]
 # Now the whole bert-large step at batch 4: eager, then replayed from a CUDA graph; and, to test what the
@@ -1056,24 +1177,19 @@ if graph_result and "CUDA graph" in g_timed:
         c0 = timing.compare({"graph": g, "graph0": g0}, "graph")["graph0"]
         text += (f"With the attention dropout at 0 the captured step uses **{att_0}** and takes "
                  f"{g0.wall.median * 1e3:.1f} ms ({c0['speed-up']:.2f} times the graph with dropout, {c0['difference']}). ")
-    text += ("Fine-tuning recipes often set attention dropout to 0 anyway; if yours needs it, check the kernel names "
-             "after capturing, as here.")
+        fused_g, fused_0 = not att_g.startswith("none"), not att_0.startswith("none")
+        if not fused_g and not fused_0:
+            text += ("Setting the attention dropout to 0 did not bring a fused kernel back, so dropout is not the cause "
+                     "here; the mask probe above is the one to read. ")
+        elif not fused_g and fused_0:
+            text += "Setting the attention dropout to 0 brought a fused kernel back: here dropout was the cause. "
+    if att_g.startswith("none") and not att_e.startswith("none"):
+        text += ("The graph's speed-up therefore comes from removing launch overhead (the GPU-busy fraction) with "
+                 "attention on the math path, which also stores the s x s matrix. ")
+    text += "Whatever the cause on your setup, check the kernel names after capturing, as here."
     display(Markdown(text))
 elif graph_result:
     print("the capture failed on this setup; see the message above")
-
-# %% [markdown]
-# *Reading the result above.* The attention dropout is not the cause here: the bare SDPA call keeps its fused
-# kernel under capture with and without dropout, and the model's captured step ran no fused attention kernel
-# with the attention dropout at 0 either. The sentence's advice about dropout therefore does not follow from
-# this run. The bare call also differs from the model's call in one respect: it passes no mask. As noted in
-# section 9.3, transformers keeps bert-large's all-ones padding mask when it is tracing, and graph capture
-# counts as tracing, so the captured model most likely called SDPA *with* a mask; a probe with a mask would
-# test that, and it was not run here. Why no mask-capable fused kernel ran is not established. What the table
-# does show: the graph's speed-up comes from removing launch overhead (the GPU-busy fraction), it was obtained
-# with attention on the math path (more GPU operations per call than eager), and such a step also pays the
-# *s* × *s* memory: check the kernel names after capturing.
-
 
 # %%
 cleanup.collect()
@@ -1093,19 +1209,27 @@ cleanup.collect()
 # - `persistent_workers=True`: the workers survive the end of an epoch instead of being started again.
 #
 # `data.TokenizingDataset` does real CPU work per sample: it builds a pseudo-text and tokenises it with a
-# pure-Python greedy sub-word matcher, as an on-the-fly tokenizer would. Its cost per sample here:
+# pure-Python greedy sub-word matcher, as an on-the-fly tokenizer would. A stall is only visible when the
+# step itself keeps the GPU busy, so the step here is bert-large at batch 64 of 128 tokens (8,192 tokens, as
+# many as section 9.3's GPU-bound step), and the text length (`words`) is calibrated on this CPU so that
+# tokenising one batch takes about `LOAD_TARGET_MS` milliseconds, of the order of the step itself:
 
 # %%
-tok_ds = data.TokenizingDataset(prof.pick(tiny=640, full=1024), seq_len=128, words=prof.pick(tiny=50, full=300))
+LOAD_BATCH = prof.pick(tiny=8, full=64)
+LOAD_TARGET_MS = prof.pick(tiny=20, full=150)  # CPU time to tokenise one batch
+words0 = prof.pick(tiny=50, full=300)
+t_probe = timing.time_it(lambda: data.TokenizingDataset(1, seq_len=128, words=words0)[0], device="cpu", warmup=2, repeat=10)
+words = max(10, round(words0 * LOAD_TARGET_MS / 1e3 / (LOAD_BATCH * t_probe.wall.median)))
+tok_ds = data.TokenizingDataset(LOAD_BATCH * 24, seq_len=128, words=words)
 t_sample = timing.time_it(lambda: tok_ds[0], device="cpu", warmup=2, repeat=10)
-print(f"one sample: {t_sample.wall.median * 1e3:.2f} ms (IQR {t_sample.wall.iqr * 1e3:.2f}) of CPU time; "
-      f"a batch of 32: about {32 * t_sample.wall.median * 1e3:.0f} ms")
+print(f"{words} words per sample; one sample: {t_sample.wall.median * 1e3:.2f} ms (IQR {t_sample.wall.iqr * 1e3:.2f}) "
+      f"of CPU time; a batch of {LOAD_BATCH}: about {LOAD_BATCH * t_sample.wall.median * 1e3:.0f} ms")
 
 # %% [markdown]
-# The training step: bert-large, batch 32 of 128 tokens, bf16. Each timed call fetches the next batch from
-# the loader, copies it to the GPU and runs the step (`time_it`, 10 repeats, GPU-busy from the profiler).
-# The last column is the wait for the first batch of a new epoch: worker start-up, which persistent workers
-# pay once.
+# Each timed call fetches the next batch from the loader, copies it to the GPU and runs the step (`time_it`,
+# 10 repeats, GPU-busy from the profiler). The first row is the reference no loader setting can beat: the same
+# step fed from batches already on the GPU. The last column is the wait for the first batch of a new epoch:
+# worker start-up, which persistent workers pay once (one measurement per setting, not a median).
 
 # %%
 LOADERS = {
@@ -1117,8 +1241,20 @@ LOADERS = {
 }
 
 
+def staged_run(model, optimizer, n_batches=16):
+    """The reference: the same step on batches already on the GPU (no loader in the timed call)."""
+    loader = torch.utils.data.DataLoader(tok_ds, batch_size=LOAD_BATCH, num_workers=4)
+    staged = [{k: v.to(dev) for k, v in b.items()} for _, b in zip(range(n_batches), loader)]
+    it = iter(staged * 4)
+
+    def step_staged():
+        make_step(model, optimizer, next(it))()
+
+    return timing.time_it(step_staged, device=dev, warmup=3, repeat=10)
+
+
 def loader_run(model, optimizer, kwargs):
-    loader = torch.utils.data.DataLoader(tok_ds, batch_size=32, **kwargs)
+    loader = torch.utils.data.DataLoader(tok_ds, batch_size=LOAD_BATCH, **kwargs)
     pinned = kwargs.get("pin_memory", False)
     it = iter(loader)
 
@@ -1133,20 +1269,24 @@ def loader_run(model, optimizer, kwargs):
     return t, time.perf_counter() - t0
 
 
+STAGED = "batches already on the GPU (no loader)"
 load_timed, first_batch_s = {}, {}
 if profiles.cuda_or_skip("an input stall means a GPU waiting; on a CPU the workers compete with the model"):
     model, optimizer = build("bert-large-uncased")
+    load_timed[STAGED] = staged_run(model, optimizer)
     for label, kwargs in LOADERS.items():
         load_timed[label], first_batch_s[label] = loader_run(model, optimizer, kwargs)
     cleanup.free(globals(), "model", "optimizer")
     load_table = pd.DataFrame({k: t.summary() for k, t in load_timed.items()}).T
     load_table["vs num_workers=0"] = pd.Series({k: f"{v['speed-up']:.2f}x, {v['difference']}" for k, v in
                                                 timing.compare(load_timed, "num_workers=0").items()})
+    load_table["vs batches on the GPU"] = pd.Series({k: f"{v['speed-up']:.2f}x, {v['difference']}" for k, v in
+                                                     timing.compare(load_timed, STAGED).items()})
     load_table["first batch of an epoch (ms)"] = pd.Series(first_batch_s) * 1e3
     for k in list(LOADERS)[1:]:
-        note_finding(k, "bert-large-uncased (batch 32 x 128)", load_timed, "num_workers=0", k)
+        note_finding(k, f"bert-large-uncased (batch {LOAD_BATCH} x 128)", load_timed, "num_workers=0", k)
     display(load_table[["wall median (ms)", "wall IQR (ms)", "GPU busy", "host enqueue median (ms)",
-                        "vs num_workers=0", "first batch of an epoch (ms)"]])
+                        "vs num_workers=0", "vs batches on the GPU", "first batch of an epoch (ms)"]])
 
 # %%
 if load_timed:
@@ -1163,36 +1303,36 @@ if load_timed:
     ax2.set_xlim(0, 105)
     ax2.set_xlabel("GPU busy (% of the step)")
     ax2.set_title("GPU busy, by loader setting")
-    fig.suptitle("bert-large, batch 32 x 128, tokenised on the fly")
+    fig.suptitle(f"bert-large, batch {LOAD_BATCH} x 128, tokenised on the fly (first row: no loader)")
     fig.tight_layout()
 
 # %% tags=["remove-input"]
 if load_timed:
-    t0_, t4_ = load_timed["num_workers=0"], load_timed["num_workers=4"]
+    ref, t0_, t4_ = load_timed[STAGED], load_timed["num_workers=0"], load_timed["num_workers=4"]
+    vs_ref = timing.compare(load_timed, STAGED)
     c4 = timing.compare(load_timed, "num_workers=0")
     pin_label = "num_workers=4, pin_memory, non_blocking"
-    display(Markdown(
-        f"In the training process (`num_workers=0`) a step with its batch takes {t0_.wall.median * 1e3:.0f} ms and the GPU "
-        f"is busy {t0_.gpu_busy:.0%} of it: about {32 * t_sample.wall.median * 1e3:.0f} ms of tokenising sit on the "
-        f"critical path. With four workers the step takes {t4_.wall.median * 1e3:.0f} ms ({c4['num_workers=4']['difference']}, "
-        f"{c4['num_workers=4']['speed-up']:.2f} times the speed) and the GPU is busy {t4_.gpu_busy:.0%}. Pinned memory "
-        f"with `non_blocking` copies: {c4[pin_label]['speed-up']:.2f} times ({c4[pin_label]['difference']}); a batch of "
-        f"32 x 128 token ids and its mask is 64 KiB, a copy of microseconds, so pinning has little to save here. A new epoch waits "
-        f"{first_batch_s['num_workers=4'] * 1e3:.0f} ms for its first batch with four fresh workers and "
-        f"{first_batch_s['… and persistent_workers'] * 1e3:.0f} ms with persistent ones. **Rule of thumb**: if the GPU-busy "
-        f"fraction rises when the batch comes from a list of tensors already on the GPU instead of the loader, the "
-        f"pipeline is the bottleneck; add workers until the step time stops falling, and no more than the CPU cores "
-        f"free of other work."
-    ))
-
-# %% [markdown]
-# *Reading the table above.* Every loader setting is "within the noise" of `num_workers=0` in this run, and in
-# every row the host's enqueue time is about the whole step while the GPU is busy for about half of it or less: the
-# step itself is host-bound (bert-large's eager step launches its kernels more slowly than the GPU runs them,
-# as in section 9.4), so the tokenising is only part of the host's work and removing it cannot keep the GPU
-# busy. This run therefore does not demonstrate the rule of thumb; the reference it names (the same step fed
-# from batches already on the GPU) was not measured here. The first-batch column is the largest difference,
-# but it is one measurement per setting, not a median of repeats.
+    text = [f"Fed from batches already on the GPU, the step takes {ref.wall.median * 1e3:.0f} ms (IQR "
+            f"{ref.wall.iqr * 1e3:.1f}) and the GPU is busy {ref.gpu_busy:.0%} of it ({ref.verdict}). With the loader in "
+            f"the training process (`num_workers=0`) it takes {t0_.wall.median * 1e3:.0f} ms, GPU busy {t0_.gpu_busy:.0%}: "
+            f"{vs_ref['num_workers=0']['difference']} against the reference."]
+    if vs_ref["num_workers=0"]["difference"] == "slower":
+        text.append(f"The difference, {(t0_.wall.median - ref.wall.median) * 1e3:.0f} ms, is the stall: about "
+                    f"{LOAD_BATCH * t_sample.wall.median * 1e3:.0f} ms of tokenising sit on the critical path.")
+    else:
+        text.append("So the loader does not stall this step measurably, and the worker rows below cannot improve on it.")
+    text.append(f"With four workers the step takes {t4_.wall.median * 1e3:.0f} ms ({c4['num_workers=4']['speed-up']:.2f} "
+                f"times `num_workers=0`, {c4['num_workers=4']['difference']}; against the reference "
+                f"{vs_ref['num_workers=4']['difference']}), GPU busy {t4_.gpu_busy:.0%}.")
+    text.append(f"Pinned memory with `non_blocking` copies: {c4[pin_label]['speed-up']:.2f} times "
+                f"({c4[pin_label]['difference']}); a batch of {LOAD_BATCH} x 128 token ids and its mask is "
+                f"{LOAD_BATCH * 128 * 16 / 1024:.0f} KiB, a copy of microseconds, so pinning has little to save here.")
+    text.append(f"A new epoch waits {first_batch_s['num_workers=4'] * 1e3:.0f} ms for its first batch with four fresh "
+                f"workers and {first_batch_s['… and persistent_workers'] * 1e3:.0f} ms with persistent ones (one "
+                f"measurement each). **Rule of thumb**: time the step on batches already on the GPU; if the loader's "
+                f"step is slower, the pipeline is the bottleneck: add workers until the step time stops falling, and no "
+                f"more than the CPU cores free of other work.")
+    display(Markdown(" ".join(text)))
 
 # %%
 cleanup.free(globals(), "tok_ds")
@@ -1341,11 +1481,10 @@ else:
 
 # %% [markdown]
 # *What the table above does not hold.* Fused attention is measured only in section 9.1's sweep, not as a
-# training-step comparison; `reduce-overhead` was skipped; CUDA graphs, data loading and the free wins were
-# measured on bert-large only; and the 1.3B compile row compiled only as many of its 24 layers as
-# TorchDynamo's recompile limit allowed (section 9.3).
-# The attention kernel that ran also differs between rows: compiled and captured bert-large steps ran attention
-# on the math path.
+# training-step comparison; a compile mode that the chapter's time budget skipped has no row (section 9.3's
+# table says which ran); CUDA graphs, data loading and the free wins were measured on bert-large only. The
+# attention kernel can also differ between rows: sections 9.3 and 9.4 show which kernel each compiled or
+# captured step ran.
 
 # %% [markdown]
 # ### The checklist, in the order to try things
@@ -1417,11 +1556,11 @@ else:
 #    <details><summary>Answer</summary>Expect minutes of compilation. On a GPU-bound bert-large step most of the
 #    time is in matrix products that cuBLAS already runs well, so the gain, if any, is small next to the
 #    spread; autotuning pays when the same shapes run for many hours.</details>
-# 4. In section 9.5, make the tokenisation cheaper (`words=50`). At which `num_workers` does the step stop
-#    getting faster?
-#    <details><summary>Hint</summary>First time the same step on a batch already on the GPU (no loader): that is
-#    the floor no loader setting can beat. Then compare the per-batch tokenising time (the cell that times one
-#    sample, times 32) with it.</details>
+# 4. In section 9.5, make the tokenisation cheaper (`LOAD_TARGET_MS = 20`). At which `num_workers` does the
+#    step stop getting faster?
+#    <details><summary>Hint</summary>The reference row (batches already on the GPU) is the floor no loader
+#    setting can beat. Compare the per-batch tokenising time (the cell that times one sample, times the batch)
+#    with it.</details>
 #    <details><summary>Answer</summary>Once the per-batch CPU time divided by the workers is well below the
 #    step's own time (GPU time, or the host's launch time when the step is host-bound as here), more workers
 #    change nothing: with cheap samples, two workers or even none may suffice. Differences smaller than the

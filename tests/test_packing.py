@@ -50,3 +50,26 @@ def test_tokenizing_dataset_is_deterministic_and_does_work():
         ds[4]
     short = data.TokenizingDataset(1, seq_len=64, words=2)[0]
     assert 0 < int(short["attention_mask"].sum()) < 64  # padded, and the mask says where
+
+
+def test_tokenizing_dataset_subword_ids_avoid_special_tokens():
+    ds = data.TokenizingDataset(2, seq_len=512, words=100, vocab_size=200)
+    ids = ds.tokenize(ds.text(0))
+    assert ids[0] == 101 and ids[-1] == 102
+    inner = ids[1:-1]
+    assert inner and min(inner) >= 104 and max(inner) < 200  # no [PAD]/[UNK]/[CLS]/[SEP]/[MASK] among sub-words
+    assert 101 not in inner and 102 not in inner
+
+
+def test_tokenizing_dataset_keeps_sep_on_truncation():
+    ds = data.TokenizingDataset(1, seq_len=8, words=50)
+    row = ds[0]["input_ids"]
+    assert int(ds[0]["attention_mask"].sum()) == 8
+    assert row[0] == 101 and row[-1] == 102
+
+
+def test_tokenizing_dataset_rejects_small_vocab_and_seq_len():
+    with pytest.raises(ValueError, match="vocab_size must exceed 104"):
+        data.TokenizingDataset(1, seq_len=8, vocab_size=100)
+    with pytest.raises(ValueError, match="seq_len must be at least 2"):
+        data.TokenizingDataset(1, seq_len=1)
