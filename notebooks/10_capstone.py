@@ -327,6 +327,9 @@ def features(setup, measured_phase, predicted_phase):
         "precision": setup.precision + (" (QLoRA)" if setup.qlora else ""),
         "attention": setup.attention,
         "checkpointing": "none" if setup.checkpointing in ("none", None) else "on",
+        "autocast over": ("no autocast" if not (setup.precision.endswith("autocast") or setup.qlora or setup.lora_rank)
+                          else "fp32 stream" if setup.qlora or setup.precision.endswith("autocast")
+                          else "16-bit stream"),
         "adapters": "QLoRA" if setup.qlora else ("LoRA" if setup.lora_rank else "none"),
         "optimizer": setup.optimizer,
         "accumulation": "yes" if setup.grad_accum > 1 else "no",
@@ -348,37 +351,44 @@ by_feature.rename(columns={"mean_error_pct": "mean error (%)", "median_error_pct
 if measured_ok.sum() >= 3:
     err_ok = feat.loc[measured_ok, "error"]
     threshold = max(1.0, 3 * err_ok.abs().median())  # "clearly more than the rest"
-    large = err_ok[err_ok.abs() > threshold].sort_values()
-    overall = err_ok.median()
-    parts = [f"The planner's median signed error over the measured rows is {overall:+.2f}%."]
+    worst_sign = np.sign(err_ok.loc[err_ok.abs().idxmax()])
+    large = err_ok[(err_ok.abs() > threshold) & (np.sign(err_ok) == worst_sign)].sort_values(key=abs, ascending=False)
+    direction = "under" if worst_sign < 0 else "over"
+    parts = [f"The planner's median signed error over the measured rows is {err_ok.median():+.2f}%."]
     if large.empty:
         parts.append(f"No row is off by more than {threshold:.1f}% (three times the median |error|, at least 1%): "
                      "no single term stands out.")
     else:
-        rows_txt = ", ".join(f"#{i} ({e:+.1f}%)" for i, e in large.items())
-        sign = ("all under-predicted" if (large < 0).all() else "all over-predicted" if (large > 0).all()
-                else "in both directions")
-        parts.append(f"{len(large)} row{'s are' if len(large) > 1 else ' is'} off by more than {threshold:.1f}% "
-                     f"(three times the median |error|, at least 1%): {rows_txt}, {sign}.")
-        shared = {col: feat.loc[large.index, col].iloc[0] for col in feat.columns.drop("error")
-                  if feat.loc[large.index, col].nunique() == 1}
-        if len(large) > 1 and shared:
-            same = feat[measured_ok].copy()
-            for col, val in shared.items():
-                same = same[same[col] == val]
-            others = same.drop(index=large.index)
-            parts.append("They share " + "; ".join(f"{col} *{val}*" for col, val in shared.items()) + ". "
+        parts.append(f"The largest error is an {direction}-prediction; {len(large)} row{'s are' if len(large) > 1 else ' is'} "
+                     f"{direction}-predicted by more than {threshold:.1f}% (three times the median |error|, at least 1%): "
+                     + ", ".join(f"#{i} ({e:+.1f}%)" for i, e in large.items()) + ".")
+        # the feature values that at least 80% of these rows share
+        # greedily, the feature values that together still hold at least 80% of these rows
+        common, covered = {}, large.index
+        if len(large) > 1:
+            for col in feat.columns.drop("error"):
+                counts = feat.loc[covered, col].value_counts()
+                if counts.iloc[0] >= 0.8 * len(large):
+                    common[col] = counts.index[0]
+                    covered = covered[feat.loc[covered, col] == counts.index[0]]
+        if common:
+            held = feat[measured_ok]
+            for col, val in common.items():
+                held = held[held[col] == val]
+            others = held.drop(index=covered)
+            parts.append(f"{len(covered)} of them share " + "; ".join(f"{col} *{val}*" for col, val in common.items()) + ". "
                          + (f"The {len(others)} other row{'s' if len(others) > 1 else ''} with all of these features "
-                            f"{'are' if len(others) > 1 else 'is'} off by at most {others['error'].abs().max():.1f}%, "
-                            "so these features alone do not explain the error."
+                            f"{'are' if len(others) > 1 else 'is'} off by at most {others['error'].abs().max():.1f}%."
                             if len(others) else "No other row has all of these features: they mark the term to suspect."))
-            ph = shared.get("peak phase (measured / predicted)")
-            if ph and ph.split(" / ")[0] != ph.split(" / ")[1]:
-                parts.append(f"The measured peak is in the {ph.split(' / ')[0]} where the planner puts it in the "
-                             f"{ph.split(' / ')[1]}: the term to suspect is what these rows hold during the "
-                             f"{ph.split(' / ')[0]}.")
+            ph = common.get("peak phase (measured / predicted)", "")
+            measured_ph, _, predicted_ph = ph.partition(" / ")
+            if ph and measured_ph != predicted_ph:
+                said = {"forward": "forward pass", "backward": "backward pass"}
+                measured_ph, predicted_ph = said.get(measured_ph, measured_ph), said.get(predicted_ph, predicted_ph)
+                parts.append(f"The measured peak is in the {measured_ph} where the planner puts it in the {predicted_ph}: "
+                             f"the term to suspect is what these rows hold during the {measured_ph}.")
         elif len(large) > 1:
-            parts.append("They share no feature: no single term stands out.")
+            parts.append("No feature is shared by most of them: no single term stands out.")
     display(Markdown(" ".join(parts)))
 else:
     print("skipped on CPU: the errors need measured peaks")
