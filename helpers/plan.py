@@ -29,7 +29,10 @@ Every term is a count, not a fit to GPU measurements:
   (chapter 1, section 1.3; chapter 5, section 5.1);
 - temporaries: the multi-tensor AdamW step's one copy of the states (chapter 1, section 1.5), the loss's
   fp32 logits and their gradients for language-model heads (chapter 4, section 4.3), one layer's
-  recomputed activations under checkpointing (chapter 4), Adafactor's per-parameter buffers.
+  recomputed activations under checkpointing (chapter 4), Adafactor's per-parameter buffers, and in the
+  forward pass the key/value cache that causal LMs build when they compute under autocast from an fp32
+  residual stream without checkpointing (fp32 copies no saved tensor shares: ``kv_cache_bytes``, found
+  by chapter 10, section 10.2's first GPU run; ``predict(..., kv_cache=False)`` leaves it out).
 
 How sure each term is (what a GPU run should check first):
 
