@@ -69,7 +69,8 @@ def matmul_params(model: nn.Module) -> int:
 def flops_per_token(n_matmul_params: int, n_layers: int, hidden: int, seq_len: int, *, training: bool = True) -> float:
     """FLOPs per token: ``6N + 12 L d s`` for a training step, a third of it for a forward pass.
 
-    Not used in a chapter yet: the MFU formula of the glossary, checked against PyTorch's FLOP counter by the tests.
+    Introduced in chapter 4, section 4.3 (checked against PyTorch's FLOP counter by the tests); chapter 10,
+    section 10.3 computes MFU with it.
     """
     if min(n_matmul_params, n_layers, hidden, seq_len) <= 0:
         raise ValueError("parameters, layers, hidden size and sequence length must be positive")
@@ -139,6 +140,6 @@ def throughput(n_samples: int, seq_len: int, time_s: float) -> dict[str, float]:
 def mfu(tokens_per_s: float, flops_per_tok: float, peak_tflops_: float) -> float:
     """Model FLOP utilisation: achieved FLOP/s over peak FLOP/s (a fraction, not a percentage).
 
-    Not used in a chapter yet: the MFU of the glossary, against ``peak_tflops`` (chapter 5, section 5.5).
+    Introduced in chapter 10, section 10.3 (against ``peak_tflops`` and a measured matmul ceiling).
     """
     return tokens_per_s * flops_per_tok / (peak_tflops_ * 1e12)

@@ -9,7 +9,7 @@ allocator, ``baselines`` gives what four published estimators say for the same s
 
 >>> p = predict(Setup(model="gpt-neox-1.3b", batch=4, seq=256, precision="bf16-autocast"))
 >>> p.peak_gib, p.peak_phase
->>> print(p.table())
+>>> print(p.table().to_string(na_rep="—"))
 
 Command line: ``python -m helpers.plan --model gpt-neox-1.3b --batch 4 --seq 256 --gpu T4``.
 
@@ -29,7 +29,10 @@ Every term is a count, not a fit to GPU measurements:
   (chapter 1, section 1.3; chapter 5, section 5.1);
 - temporaries: the multi-tensor AdamW step's one copy of the states (chapter 1, section 1.5), the loss's
   fp32 logits and their gradients for language-model heads (chapter 4, section 4.3), one layer's
-  recomputed activations under checkpointing (chapter 4), Adafactor's per-parameter buffers.
+  recomputed activations under checkpointing (chapter 4), Adafactor's per-parameter buffers, and in the
+  forward pass the key/value cache that causal LMs build when they compute under autocast from an fp32
+  residual stream without checkpointing (fp32 copies no saved tensor shares: ``kv_cache_bytes``, found
+  by chapter 10, section 10.2's first GPU run; ``predict(..., kv_cache=False)`` leaves it out).
 
 How sure each term is (what a GPU run should check first):
 
@@ -115,7 +118,7 @@ SOURCES = {
     "optimizer_states": "ch. 1.3, ch. 5.4 (AdamW 8 B, 8-bit 2 B, Adafactor factored), ch. 7 (ZeRO)",
     "activations": "ch. 1.4 (Korthikanti et al. 2022, HF layers), ch. 4 (checkpointing)",
     "autocast_copies": "ch. 1.3, ch. 5.1 (16-bit copies of fp32 weights)",
-    "temporaries": "ch. 1.5 (foreach AdamW), ch. 4.3 (logits, layer backward)",
+    "temporaries": "ch. 1.5 (foreach AdamW), ch. 4.3 (logits, layer backward), ch. 10.2 (fp32 KV cache)",
 }
 
 
@@ -139,7 +142,7 @@ class Setup:
     ``lora_targets``; ``qlora=True`` stores the frozen base in NF4 (needs ``lora_rank``).
     ``zero_stage`` 0-3 and ``world_size``: ZeRO's per-rank share of the model states (formula).
 
-    Not used in a chapter yet: chapter 10's planner (its section 10.1).
+    Introduced in chapter 10, section 10.1.
     """
 
     model: Any = "gpt-neox-1.3b"
@@ -188,7 +191,7 @@ def _model_label(model: Any) -> str:
 def validate(s: Setup) -> list[str]:
     """Check a setup; raise ``ValueError`` for an impossible one, return warnings for odd ones.
 
-    Not used in a chapter yet: chapter 10's planner (its section 10.1).
+    Not used in a chapter directly: part of chapter 10's planner (section 10.1).
     """
     notes: list[str] = []
     for name in ("batch", "seq", "grad_accum", "world_size"):
@@ -259,7 +262,7 @@ _FP32_INPUT_UNDER_AUTOCAST = {"bert": (0, 2), "gpt_neox": (0, 2), "llama": (0, 2
 class Param:
     """One parameter tensor: name, shape, and where it sits (layer linear, embedding, head, other).
 
-    Not used in a chapter yet: chapter 10's planner (its section 10.1).
+    Not used in a chapter directly: part of chapter 10's planner (section 10.1).
     """
 
     name: str
@@ -276,7 +279,7 @@ class Param:
 class Shape:
     """The sizes the planner needs, read from a model built on the meta device.
 
-    Not used in a chapter yet: chapter 10's planner (its section 10.1).
+    Not used in a chapter directly: part of chapter 10's planner (section 10.1).
     """
 
     family: str
@@ -384,7 +387,7 @@ def _shape(s: Setup) -> Shape:
 def shape(s: Setup) -> Shape:
     """The sizes of ``s.model`` (layers, widths, every parameter's shape), from a meta-device build.
 
-    Not used in a chapter yet: chapter 10's planner (its section 10.1).
+    Not used in a chapter directly: part of chapter 10's planner (section 10.1).
     """
     return _shape(s)
 
@@ -485,7 +488,7 @@ def layer_activation_bytes(s: Setup, *, backend: str = "cuda") -> int:
     ``backend="cpu"`` gives what ``SavedTensorMeter`` counts on a CPU (exact, see the tests);
     ``"cuda"`` applies the two CUDA corrections described in ``ACT_COEF_CPU``.
 
-    Not used in a chapter yet: chapter 10's planner (its section 10.1).
+    Not used in a chapter directly: part of chapter 10's planner (section 10.1).
     """
     shape = _shape(s)
     pc = _pclass(s)
@@ -572,7 +575,7 @@ def _lora_activation_delta(s: Setup, shape: Shape, pc: str, backend: str) -> flo
 def other_activation_bytes(s: Setup, *, backend: str = "cuda") -> int:
     """Bytes saved outside the blocks: embeddings, final norm, head, and the loss's fp32 log-softmax.
 
-    Not used in a chapter yet: chapter 10's planner (its section 10.1).
+    Not used in a chapter directly: part of chapter 10's planner (section 10.1).
     """
     shape = _shape(s)
     pc = _pclass(s)
@@ -632,7 +635,7 @@ def lora_trainable_params(s: Setup) -> int:
 def weight_bytes(s: Setup) -> int:
     """Bytes of all weights on the device (frozen base, adapters, NF4 statistics), before ZeRO.
 
-    Not used in a chapter yet: chapter 10's planner (its section 10.1).
+    Not used in a chapter directly: part of chapter 10's planner (section 10.1).
     """
     shape = _shape(s)
     if s.qlora:
@@ -652,7 +655,7 @@ def weight_bytes(s: Setup) -> int:
 def gradient_bytes(s: Setup) -> int:
     """Bytes of the gradients of the trainable parameters (their dtype), before ZeRO.
 
-    Not used in a chapter yet: chapter 10's planner (its section 10.1).
+    Not used in a chapter directly: part of chapter 10's planner (section 10.1).
     """
     return sum(n * e for n, _, e in _trainable(s, _shape(s)))
 
@@ -665,7 +668,7 @@ def optimizer_state_bytes(s: Setup) -> int:
     8-bit AdamW (bitsandbytes): 2 bytes + two fp32 absmaxes per 256 values, 32-bit states for tensors
     under 4096 values. Chapter 5, section 5.4 measured 8.00, 4.00, 0.01 and 2.04 bytes per parameter.
 
-    Not used in a chapter yet: chapter 10's planner (its section 10.1).
+    Not used in a chapter directly: part of chapter 10's planner (section 10.1).
     """
     opt = s.optimizer
     total = 0
@@ -691,7 +694,8 @@ def _zero_share(s: Setup) -> tuple[float, float, float]:
 def autocast_copy_bytes(s: Setup) -> int:
     """Bytes of the 16-bit copies autocast makes of fp32 matmul weights (0 without fp32 weights + autocast).
 
-    Not used in a chapter yet: chapter 10's planner (its section 10.1) (measured in chapter 1, section 1.3 and chapter 5, section 5.1).
+    Not used in a chapter directly: a term of ``predict`` (introduced in chapter 10, section 10.1), measured
+    in chapter 1, section 1.3 and chapter 5, section 5.1.
     """
     if _pclass(s) != "amp":
         return 0
@@ -703,6 +707,34 @@ def autocast_copy_bytes(s: Setup) -> int:
         total += 2 * shape.head_linear_numel()  # the head (fp32 also under QLoRA: not quantized)
     total += 2 * lora_trainable_params(s)
     return total
+
+
+def kv_cache_bytes(s: Setup) -> int:
+    """Bytes of the key/value cache a causal LM builds during a training forward pass, beyond what it saves.
+
+    Without checkpointing, Hugging Face causal LMs (GPT-NeoX, Llama) keep ``use_cache=True`` in training:
+    every block appends its keys and values to a ``DynamicCache`` that lives in the model's output until
+    the loop drops it (``loss = model(**batch).loss``), i.e. through the forward pass, not the backward.
+    The cache holds copies (``torch.cat``); with an fp32 residual stream under autocast (fp32 weights, or
+    QLoRA's fp32 stream) the rotary embedding's fp32 ``cos``/``sin`` promote the keys to fp32 and the
+    cache's concatenation promotes the values, so it holds 2 x 4 bytes per token and hidden unit per
+    block, and attention saves the 16-bit casts instead: 8*s*b*h per block that no saved-tensor count
+    sees. In every other case (fp32 without autocast, 16-bit weights) attention saves the cache's own
+    tensors, so nothing is added. Checkpointing switches the cache off. Counted on CPU with the
+    ``DynamicCache`` of the model's output (``tests/test_plan.py``); before this term (the version
+    chapter 10's first GPU run validated) the planner left it out and under-predicted the forward
+    peaks of these rows by about 8 bytes per token x hidden x layer.
+
+    Introduced in chapter 10, section 10.2.
+    """
+    shape = _shape(s)
+    if shape.head != "causal-lm" or shape.family not in ("gpt_neox", "llama"):
+        return 0
+    if any(_checkpointed_layers(s, shape.layers)) or _pclass(s) != "amp":
+        return 0
+    if s.precision in ("bf16", "fp16") and not s.qlora:  # 16-bit stream: the cache is what attention saves
+        return 0
+    return 8 * s.batch * s.seq * shape.hidden * shape.layers
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -720,7 +752,7 @@ class Plan:
     ``components`` are what is alive at the peak moment (they sum to ``peak_bytes``); ``totals`` are
     the full sizes of each term (all activations, all gradients); ``phases`` the peak of each phase.
 
-    Not used in a chapter yet: chapter 10's planner (its section 10.1).
+    Introduced in chapter 10, section 10.1.
     """
 
     setup: Setup
@@ -747,7 +779,11 @@ class Plan:
         return self.peak_bytes <= budget_gib * GIB
 
     def table(self) -> pd.DataFrame:
-        """One row per component: bytes and GiB at the peak, the whole-step total, and its source."""
+        """One row per component: bytes and GiB at the peak, the whole-step total, and its source.
+
+        The last row is the peak; its whole-step total is empty (NaN), so print the table with
+        ``to_string(na_rep="—")`` as the command line does.
+        """
         rows = [
             {"component": c, "bytes": self.components.get(c, 0), "GiB": self.components.get(c, 0) / GIB,
              "total (GiB)": self.totals.get(c, 0) / GIB, "source": SOURCES[c]}
@@ -778,7 +814,7 @@ def _loss_bytes(s: Setup, shape: Shape) -> tuple[int, int]:
     return fwd, bwd
 
 
-def predict(s: Setup, *, backend: str = "cuda") -> Plan:
+def predict(s: Setup, *, backend: str = "cuda", kv_cache: bool = True) -> Plan:
     """Predict the peak allocated memory of a steady-state training step of ``s`` (per rank).
 
     The phases are those of the book's loop (``loss = model(**batch).loss``, ``loss.backward()``,
@@ -786,9 +822,11 @@ def predict(s: Setup, *, backend: str = "cuda") -> Plan:
     the optimizer states and the activations; the backward pass frees activations as it creates
     gradients (the planner walks it layer by layer); the optimizer step holds weights, gradients, states
     and the step's temporaries. Under gradient accumulation the gradients are alive from the second
-    micro-batch on.
+    micro-batch on. The forward pass also holds the fp32 key/value cache of ``kv_cache_bytes`` (as
+    temporaries); ``kv_cache=False`` leaves it out, as the planner did before chapter 10's GPU run
+    showed the gap.
 
-    Not used in a chapter yet: chapter 10's planner (its section 10.1).
+    Introduced in chapter 10, section 10.1.
     """
     notes = validate(s)
     shape = _shape(s)
@@ -841,10 +879,11 @@ def predict(s: Setup, *, backend: str = "cuda") -> Plan:
     # block holds its activations until it returns) and the loss (logits next to the log-softmax).
     # Autocast's copies stay cached until the forward pass ends, also under checkpointing.
     any_ck = any(ck)
+    kv = kv_cache_bytes(s) if kv_cache else 0  # alive through the forward pass, dropped before backward
     in_last = {"weights": W + gathered, "gradients": G_acc, "optimizer_states": Ost,
-               "activations": sum(stored[:-1]) + A_layer, "autocast_copies": C_all - C_head, "temporaries": 0}
+               "activations": sum(stored[:-1]) + A_layer, "autocast_copies": C_all - C_head, "temporaries": kv}
     at_loss = {"weights": W + gathered, "gradients": G_acc, "optimizer_states": Ost,
-               "activations": sum(stored) + A_other, "autocast_copies": C_all, "temporaries": loss_fwd}
+               "activations": sum(stored) + A_other, "autocast_copies": C_all, "temporaries": loss_fwd + kv}
     forward = at_loss if sum(at_loss.values()) >= sum(in_last.values()) else in_last
 
     # backward: start (loss gradients) then block by block from the top
@@ -893,7 +932,7 @@ def predict(s: Setup, *, backend: str = "cuda") -> Plan:
     peak = max(phases, key=lambda k: phases[k])
     totals = {"weights": W, "gradients": G, "optimizer_states": Ost,
               "activations": L * A_layer + A_other if not any_ck else sum(stored) + A_other,
-              "autocast_copies": C_all, "temporaries": max(T_opt, loss_bwd, T_layer)}
+              "autocast_copies": C_all, "temporaries": max(T_opt, loss_bwd, T_layer, loss_fwd + kv)}
     return Plan(setup=s, components={k: int(v) for k, v in phase_components[peak].items()}, phases=phases,
                 phase_components=phase_components, totals=totals, notes=notes)
 
@@ -1009,7 +1048,7 @@ def measure(s: Setup, device: str | torch.device = "cuda", steps: int = 2, seed:
     ``accounted_bytes`` gives the last step's weights + gradients + optimizer states + saved
     activations, counted by ``helpers.accounting`` (what the CPU tests check).
 
-    Not used in a chapter yet: chapter 10's planner (its section 10.2).
+    Introduced in chapter 10, section 10.2.
     """
     validate(s)
     dev = torch.device(device)
@@ -1129,7 +1168,7 @@ def suggest(s: Setup, budget_gib: float, *, max_changes: int = 2, half: str = "b
     effective batch and costs little when the step is launch-bound. ``half``: the 16-bit type the
     changes may switch to (``"fp16"`` for GPUs without bf16 tensor cores, the T4 and the V100).
 
-    Not used in a chapter yet: chapter 10's planner (its section 10.3).
+    Introduced in chapter 10, section 10.4.
     """
     import itertools
 
@@ -1191,20 +1230,23 @@ def baselines(s: Setup) -> dict[str, int]:
 
     - ``"4x model size (HF calculator)"``: the Hugging Face model-memory calculator's training rule,
       4 x the model's size in the setup's weight dtype (``estimates.hf_calculator_training_bytes``).
-    - ``"accelerate estimate-memory (model + Adam states)"``: ``accelerate``'s own
+    - ``"accelerate estimate-memory (largest term, batch 1)"``: ``accelerate``'s own
       ``estimate_training_usage`` (accelerate/commands/estimate.py), called offline on the fp32 size of
       the model built on the meta device (``calculate_maximum_sizes``), with ``"float32"`` for fp32 and
       ``"bfloat16"``/``"float16"`` otherwise; the command prints the largest of its terms.
     - ``"ZeRO paper model states (16 bytes/param)"``: Rajbhandari et al. (2020), mixed-precision Adam,
       2 + 2 + 12 bytes per parameter, partitioned by ``zero_stage`` over ``world_size``.
     - ``"transformer-math: model states + Korthikanti activations"``: EleutherAI's Transformer Math 101
-      (Anthony et al. 2023): model states (16 bytes/param for mixed precision, 16 for fp32 AdamW) plus
+      (Anthony et al. 2023): model states (16 bytes/param for mixed-precision AdamW, also for fp32) plus
       Korthikanti et al. (2022)'s activations ``s*b*h*(34 + 5*a*s/h)`` per layer (the ``5as/h`` term
       dropped for SDPA), without the "framework overhead" that note adds by hand.
 
-    None of them knows about LoRA, QLoRA, checkpointing or the optimizer's kind.
+    The first three know nothing of LoRA, QLoRA, checkpointing or the optimizer's kind. Transformer
+    Math 101 does give bytes per parameter for other optimizers (e.g. 8-bit states) and ``2*s*b*h*L``
+    for fully recomputed activations; this column uses its mixed-precision AdamW and no-recomputation
+    formulas on every setup.
 
-    Not used in a chapter yet: chapter 10's planner (its section 10.2).
+    Introduced in chapter 10, section 10.2.
     """
     from accelerate.commands.estimate import estimate_training_usage
 
@@ -1220,7 +1262,7 @@ def baselines(s: Setup) -> dict[str, int]:
         attention="eager" if s.attention == "eager" else "flash")
     return {
         "4x model size (HF calculator)": int(estimates.hf_calculator_training_bytes(model_bytes)),
-        "accelerate estimate-memory (model + Adam states)": int(acc),
+        "accelerate estimate-memory (largest term, batch 1)": int(acc),
         "ZeRO paper model states (16 bytes/param)": int(zero),
         "transformer-math: model states + Korthikanti activations": int(16 * n + act),
     }
@@ -1318,7 +1360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     Exits with status 2 and a message for unknown models, impossible settings and bad numbers; 1 when
     the setup does not fit the budget; 0 when it fits (or no budget was given).
 
-    Not used in a chapter yet: chapter 10's planner (its section 10.3).
+    Introduced in chapter 10, section 10.1.
     """
     ap = _parser()
     args = ap.parse_args(argv)
@@ -1346,7 +1388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         ap.error(str(exc))
     with pd.option_context("display.float_format", "{:,.2f}".format, "display.width", 160):
-        print(p.table().drop(columns=["bytes"]).to_string())
+        print(p.table().drop(columns=["bytes"]).to_string(na_rep="—"))
     print(p.explain())
     budget = GPU_MEMORY_GIB[args.gpu] - CONTEXT_RESERVE_GIB if args.gpu else args.budget_gib
     half = "fp16" if args.gpu in NO_BF16_GPUS else "bf16"
@@ -1381,7 +1423,7 @@ def error_table(rows: Sequence[tuple[Setup, dict]]) -> pd.DataFrame:
     estimator of ``baselines``. Rows whose measurement did not run (out of memory, skipped) keep NaN
     errors. ``error_summary`` gives the median and max of the absolute errors.
 
-    Not used in a chapter yet: chapter 10's planner (its section 10.2).
+    Not used in a chapter directly: part of chapter 10's planner (section 10.2).
     """
     out = []
     for s, m in rows:
@@ -1400,7 +1442,7 @@ def error_table(rows: Sequence[tuple[Setup, dict]]) -> pd.DataFrame:
 def error_summary(table: pd.DataFrame, column: str = "error (%)") -> dict[str, float]:
     """Median and max absolute error (%) of a column of ``error_table``, and how many rows were measured.
 
-    Not used in a chapter yet: chapter 10's planner (its section 10.2).
+    Not used in a chapter directly: part of chapter 10's planner (section 10.2).
     """
     err = table[column].dropna().abs()
     return {"median_abs_pct": float(err.median()), "max_abs_pct": float(err.max()), "rows": int(err.size)}
