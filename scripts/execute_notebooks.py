@@ -76,6 +76,18 @@ def gpus() -> tuple[int, str | None]:
     return torch.cuda.device_count(), torch.cuda.get_device_name(0)
 
 
+def drop_non_inline_backend() -> None:
+    """Unset MPLBACKEND for the kernels this process starts, saying so.
+
+    With ``MPLBACKEND=Agg`` (as set for the CPU nbval run) in its environment, a Jupyter kernel does not
+    use its inline backend, and every figure silently vanishes from the executed notebook's outputs.
+    """
+    backend = os.environ.pop("MPLBACKEND", None)
+    if backend:
+        print(f"MPLBACKEND={backend} unset for the kernels: a non-inline backend would drop every figure from "
+              "the outputs", flush=True)
+
+
 def chapter_order(chapters: Path = CHAPTERS) -> list[dict]:
     """The chapters (file, gpus, ...) in the order of notebooks/chapters.json."""
     return json.loads(chapters.read_text(encoding="utf-8"))["chapters"]
@@ -180,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.environ["GPUBOOK_PROFILE"] = args.profile
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    drop_non_inline_backend()
     if args.notebooks:
         todo = [(path, 1) for path in args.notebooks]
     else:

@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             print("make gpu-test needs a CUDA GPU: the committed outputs are full-profile GPU runs", file=sys.stderr)
             return 2
         os.environ["GPUBOOK_PROFILE"] = "full"
+        if os.environ.pop("MPLBACKEND", None):  # a non-inline backend drops every figure from the outputs
+            print("MPLBACKEND unset for the kernels (a non-inline backend drops every figure)", flush=True)
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     work = Path(tempfile.mkdtemp(prefix="gpubook-gpu-check-"))
     failed = 0

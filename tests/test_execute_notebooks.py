@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,19 +39,23 @@ def test_only_missing_wheels_are_installed(tmp_path, monkeypatch):
 def test_a_notebook_runs_in_a_fresh_kernel_with_the_profile_and_this_checkout(tmp_path):
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(
-        "import os, helpers\nprint(os.environ['GPUBOOK_PROFILE'])\nprint(os.path.dirname(os.path.dirname(helpers.__file__)))")]
+        "import os, helpers\nprint(os.environ['GPUBOOK_PROFILE'])\nprint(os.path.dirname(os.path.dirname(helpers.__file__)))"
+        "\nprint(os.environ.get('MPLBACKEND', 'inline'))")]
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     source = tmp_path / "01_probe.ipynb"
     nbformat.write(nb, source)
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "execute_notebooks.py"), str(source),
                            "--out", str(out), "--profile", "tiny", "--timeout", "120"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "MPLBACKEND": "Agg"})  # set for CPU nbval; it must not reach the kernel
     assert "01_probe.ipynb: executed" in proc.stdout, proc.stdout + proc.stderr
+    assert "MPLBACKEND=Agg unset" in proc.stdout
     assert proc.returncode != 0  # the hygiene check then rejects a CPU run, as it must
     executed = nbformat.read(out / "01_probe.ipynb", as_version=4)
-    profile, package_root = executed.cells[0].outputs[0]["text"].split()
+    profile, package_root, backend = executed.cells[0].outputs[0]["text"].split()
     assert profile == "tiny" and Path(package_root) == ROOT
+    assert "inline" in backend  # with MPLBACKEND=Agg a kernel drops every figure from the outputs
     assert executed.cells[0].execution_count == 1
     assert not source.with_name("01_probe.ipynb").read_text().count('"outputs": [\n     {')  # source untouched
 
