@@ -14,8 +14,7 @@
 - **A profiler trace's** communication kernels per collective (``communication_from_trace``), to hold
   against the bytes per step that ``estimates.communication_table`` predicts for each engine.
 
-Not used in a chapter yet: chapter 7 gains a communication section when it can be executed again on
-several GPUs.
+Introduced in chapter 7, section 7.7 (Communication, measured).
 
 >>> t = time_collective("all_reduce", 2**26, device="cuda")   # on every rank of a process group
 >>> t.record()["busbw_gb_s"]
@@ -46,7 +45,7 @@ GB = 1e9  # bandwidth in GB/s (decimal), as nccl-tests and link specifications p
 def algorithm_bandwidth(size_bytes: float, time_s: float) -> float:
     """``S / t`` in bytes per second.
 
-    Not used in a chapter yet (written for chapter 7's communication measurements).
+    Introduced in chapter 7, section 7.7 (through ``scripts/collectives_bench.py``).
     """
     if time_s <= 0 or size_bytes < 0:
         raise ValueError(f"need size_bytes >= 0 and time_s > 0, got {size_bytes} and {time_s}")
@@ -56,7 +55,7 @@ def algorithm_bandwidth(size_bytes: float, time_s: float) -> float:
 def bus_bandwidth(collective: str, size_bytes: float, time_s: float, n_ranks: int) -> float:
     """Algorithm bandwidth times ``bus_factor``, in bytes per second.
 
-    Not used in a chapter yet (written for chapter 7's communication measurements).
+    Introduced in chapter 7, section 7.7 (through ``scripts/collectives_bench.py``).
     """
     return algorithm_bandwidth(size_bytes, time_s) * bus_factor(collective, n_ranks)
 
@@ -70,7 +69,7 @@ class CollectiveTiming:
 
     ``size_bytes`` is ``S`` in the nccl-tests sense (see the module docstring).
 
-    Not used in a chapter yet (written for chapter 7's communication measurements).
+    Introduced in chapter 7, section 7.7 (through ``scripts/collectives_bench.py``).
     """
 
     collective: str
@@ -150,7 +149,7 @@ def time_collective(
     rather than bandwidth; nccl-tests times many back-to-back calls instead, which gives smaller
     times there and the same large-message bandwidth.
 
-    Not used in a chapter yet (written for chapter 7's communication measurements).
+    Introduced in chapter 7, section 7.7 (through ``scripts/collectives_bench.py``).
     """
     import torch.distributed as dist
 
@@ -190,7 +189,7 @@ def time_collective(
 def sizes_between(min_bytes: int, max_bytes: int, factor: int = 4) -> list[int]:
     """``min_bytes``, ``min_bytes x factor``, ... up to ``max_bytes`` (nccl-tests' ``-b``, ``-e``, ``-f``).
 
-    Not used in a chapter yet (written for chapter 7's communication measurements).
+    Introduced in chapter 7, section 7.7 (through ``scripts/collectives_bench.py``).
     """
     if min_bytes < 1 or max_bytes < min_bytes or factor < 2:
         raise ValueError(f"need 1 <= min_bytes <= max_bytes and factor >= 2, got {min_bytes}, {max_bytes}, {factor}")
@@ -206,7 +205,7 @@ def sweep(
 ) -> list[CollectiveTiming]:
     """``time_collective`` for every collective and size (every rank must call it with the same arguments).
 
-    Not used in a chapter yet (written for chapter 7's communication measurements).
+    Introduced in chapter 7, section 7.7 (through ``scripts/collectives_bench.py``).
     """
     return [time_collective(c, s, **kwargs) for c in collectives for s in sizes_bytes]
 
@@ -214,7 +213,7 @@ def sweep(
 def bandwidth_table(records: pd.DataFrame | Sequence[dict]) -> pd.DataFrame:
     """The records of ``CollectiveTiming.record`` as a table: one row per collective and size (MiB).
 
-    Not used in a chapter yet (written for chapter 7's communication measurements).
+    Introduced in chapter 7, section 7.7 (through ``scripts/collectives_bench.py``).
     """
     df = pd.DataFrame(list(records) if not isinstance(records, pd.DataFrame) else records)
     table = pd.DataFrame({
@@ -241,7 +240,7 @@ def collective_kind(name: str) -> str:
     """``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast`` or ``other`` for a collective's name
     (``allreduce``, ``_reduce_scatter_base``, ``ncclDevKernel_AllGather_RING_LL``, ...).
 
-    Not used in a chapter yet (written for chapter 7's communication measurements).
+    Introduced in chapter 7, section 7.7 (collective_kind names the collectives of a trace).
     """
     key = re.sub(r"[^a-z]", "", name.lower())
     for kind, word in (("reduce_scatter", "reducescatter"), ("all_reduce", "allreduce"),
@@ -438,6 +437,6 @@ def nvlink_status(timeout_s: float = 20.0) -> tuple[str, dict[int, list[float]]]
 def records_json(timings: Sequence[CollectiveTiming]) -> str:
     """The timings as JSON (a list of ``record`` dicts plus the raw repeats), for a launched rank to write.
 
-    Not used in a chapter yet (written for chapter 7's communication measurements).
+    Introduced in chapter 7, section 7.7 (through ``scripts/collectives_bench.py``).
     """
     return json.dumps([t.record() | {"times_s": list(asdict(t)["times_s"])} for t in timings], indent=1)

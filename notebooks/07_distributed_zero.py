@@ -400,6 +400,7 @@ fig = plots.lines(curve, x="GPUs", ys=list(estimates.STAGE_LABELS.values()), log
                   xlabel="data-parallel GPUs $N_d$", ylabel="model states per GPU (GiB)")
 fig.axes[0].axhline(T4_MEMORY_GIB, color="grey", linestyle="--", label="a T4's 14.75 GiB")
 fig.axes[0].legend()
+fig.tight_layout()
 
 # %% tags=["remove-input"]
 display(Markdown(
@@ -479,11 +480,11 @@ def one_gpu_need_bytes(n_layers):
 n_layers = cfg.num_hidden_layers  # the model's own 24 blocks
 if prof.is_full and prof.on_gpu:
     free_bytes = torch.cuda.mem_get_info(0)[0] - GIB  # keep 1 GiB for the launched process's CUDA context
-    fits = [n for n in range(cfg.num_hidden_layers, 0, -1) if 1.1 * one_gpu_need_bytes(n) <= free_bytes]
-    if not fits:
+    fits = next((n for n in range(cfg.num_hidden_layers, 0, -1) if 1.1 * one_gpu_need_bytes(n) <= free_bytes), None)
+    if fits is None:
         raise RuntimeError(f"even one block needs about {1.1 * one_gpu_need_bytes(1) / GIB:.1f} GiB; this GPU has "
                            f"{free_bytes / GIB:.1f} GiB free: run the tiny profile (GPUBOOK_PROFILE=tiny)")
-    n_layers = fits[0]
+    n_layers = fits
     if n_layers < cfg.num_hidden_layers:
         print(f"this GPU has {free_bytes / GIB:.1f} GiB free; the 1-GPU runs of the {cfg.num_hidden_layers}-block model "
               f"need about {1.1 * one_gpu_need_bytes(cfg.num_hidden_layers) / GIB:.0f} GiB: training {n_layers} blocks instead")
@@ -601,14 +602,14 @@ if profiles.cuda_or_skip("peak allocated memory is an allocator statistic"):
 
 # %% tags=["remove-input"]
 if prof.on_gpu:
-    t, gib = table, "model states (GiB)"
-    text = (f"On one GPU, DDP holds {t.loc[(1, 'ddp'), gib]:.1f} GiB of model states and peaks at "
+    t, gib = table, f"model states ({unit_name})"
+    text = (f"On one GPU, DDP holds {t.loc[(1, 'ddp'), gib]:.1f} {unit_name} of model states and peaks at "
             f"{t.loc[(1, 'ddp'), 'peak allocated (GiB)']:.1f} GiB: on top of the model states come the activations "
             f"and the optimizer step's temporary buffers. Every strategy started from "
             f"{t['allocated at start (MiB)'].max():.0f} MiB allocated or less.")
     if 2 in world_sizes:
         cmp3 = timing.difference(steps[(2, "ddp")], steps[(2, "zero3")])
-        text += (f" On two GPUs, ZeRO-3 holds {t.loc[(2, 'zero3'), gib]:.1f} GiB at rest and peaks at "
+        text += (f" On two GPUs, ZeRO-3 holds {t.loc[(2, 'zero3'), gib]:.1f} {unit_name} at rest and peaks at "
                  f"{t.loc[(2, 'zero3'), 'peak allocated (GiB)']:.1f} GiB per rank, against "
                  f"{t.loc[(2, 'ddp'), 'peak allocated (GiB)']:.1f} GiB for DDP. The step times on two GPUs (medians of "
                  f"{size['steps']} steps: {steps[(2, 'ddp')].median:.3f} s for DDP, IQR {steps[(2, 'ddp')].iqr * 1e3:.1f} ms; "
@@ -647,8 +648,9 @@ if prof.on_gpu and 2 in world_sizes:
         f"From 1 to 2 GPUs the throughput grows {scaling['throughput 2 vs 1'].min():.2f} to "
         f"{scaling['throughput 2 vs 1'].max():.2f} times across the four engines, a scaling efficiency of "
         f"{eff.min():.0%} ({eff.idxmin()}) to {eff.max():.0%} ({eff.idxmax()}). "
-        + (f"For {', '.join(slower)} the step on two GPUs is slower than on one beyond the noise: that is the share "
-           f"of the communication the computation does not hide (section 7.7 measures it). " if slower else
+        + (f"For {'all four engines' if len(slower) == len(scaling) else ', '.join(slower)} the step on two GPUs is "
+           f"slower than on one beyond the noise: part of that is communication that the computation does not hide "
+           f"(section 7.7 measures how much). " if slower else
            "No engine's step on two GPUs is slower than on one beyond the noise: the communication hides almost "
            "entirely behind the computation here (section 7.7 measures how much). ")
         + "Differences between the engines' ratios smaller than their ranges are not established by these runs."))
@@ -945,7 +947,8 @@ for stage in estimates.STAGES:
             row[f"{who}: peak"] = table.loc[(ws, stage), "peak allocated (GiB)"]
     summary[estimates.STAGE_LABELS[stage]] = row
 display(Markdown(
-    f"Measured on the machine of the first output, per rank, for the {model_size} in fp32 with AdamW (model "
+    f"Measured on the machine of the first output, per rank, for the "
+    f"{f'{psi_run / 1e9:.2f}B' if psi_run >= 1e9 else f'{psi_run / 1e6:.1f}M'}-parameter GPT-NeoX in fp32 with AdamW (model "
     f"states counted tensor by tensor{'; peak from the allocator' if prof.on_gpu else ''}; formula with 4-byte "
     f"parameters and gradients and $K = 8$), all in {unit_name}; *states* includes the parameters gathered between "
     f"forward and backward:"))
