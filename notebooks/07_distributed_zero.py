@@ -768,13 +768,14 @@ print("DeepSpeed is installed, but this chapter runs only the FSDP config" if de
 # How fast are the collectives themselves? `scripts/collectives_bench.py` times all-reduce, reduce-scatter,
 # all-gather and broadcast on every GPU of this machine, from 1 MiB to 1 GiB (in the tiny profile: two CPU
 # processes with gloo, 64 KiB to 4 MiB). It follows the definitions of NVIDIA's `nccl-tests`
-# ([NVIDIA, nccl-tests](../book/references.md), doc/PERFORMANCE.md): for a collective on $S$ bytes that takes $t$
+# ([NVIDIA (2024)](../book/references.md), its doc/PERFORMANCE.md): for a collective on $S$ bytes that takes $t$
 # seconds on $n$ ranks, the *algorithm bandwidth* is $S/t$ and the *bus bandwidth* multiplies it by what a
 # ring moves over each link: $2(n-1)/n$ for all-reduce (the ring of section 7.1), $(n-1)/n$ for
 # reduce-scatter and all-gather, 1 for broadcast. The bus bandwidth does not depend on $n$ for an ideal
 # ring, and nccl-tests compares it with the hardware's peak bandwidth *per direction* of the link. Every
-# size is timed 20 times after 5 warm-up calls (each call between two synchronisations, the slowest rank's
-# time), and the table keeps the median and the spread.
+# size is timed 20 times after 5 warm-up calls (10 after 2 in the tiny profile; each call starts after a
+# barrier and a synchronisation, and its time is the slowest rank's); the table keeps the median, the IQR
+# and the fastest call.
 
 # %%
 if n_dev >= 2:
@@ -788,15 +789,17 @@ if n_dev >= 2:
     print(f"  finished in {done.seconds:.0f} s: {done.stdout.strip()}")
     bw = launching.read_results(WORK / "bandwidth")
     bandwidth = collectives.bandwidth_table(bw)
-    display(bandwidth["busbw (GB/s)"].unstack("collective"))
+    display(bandwidth)
 else:
     bw = None
     print(f"skipped: collectives need 2 GPUs; this machine has {n_dev}")
 
 # %% [markdown]
-# The link's nominal bandwidth: `nvidia-smi nvlink -s` lists each NVLink of a GPU with its speed. NVIDIA's
-# H200 datasheet ([NVIDIA, 2024](../book/references.md)) gives 900 GB/s of NVLink bandwidth per GPU, counted
-# in both directions together: 450 GB/s each way, the number a bus bandwidth is held against.
+# The link's nominal bandwidth: `nvidia-smi nvlink -s` lists each NVLink of a GPU with the speed the driver
+# reports for it. NVIDIA's H200 datasheet ([NVIDIA (2024)](../book/references.md)) gives 900 GB/s of NVLink
+# bandwidth per GPU, counted in both directions together: 450 GB/s each way, the number a bus bandwidth is held
+# against. The driver's per-link figures, summed, need not equal the datasheet's exactly; both are drawn where
+# found, and the text below uses the datasheet's where it knows the GPU.
 
 # %%
 H200_NVLINK_PER_DIRECTION_GB_S = 450.0  # NVIDIA H200 datasheet: 900 GB/s NVLink, both directions together
@@ -1065,7 +1068,7 @@ pd.DataFrame(summary).T
 # - [Zhao et al. (2023)](../book/references.md): PyTorch FSDP.
 # - [Huang et al. (2019)](../book/references.md) and [Narayanan et al. (2021)](../book/references.md): pipeline schedules and their bubble.
 # - [Heo (2024)](../book/references.md), chapter 5: data, pipeline and tensor parallelism and ZeRO, in pictures.
-# - [NVIDIA, nccl-tests PERFORMANCE.md](../book/references.md): algorithm and bus bandwidth.
-# - [NVIDIA (2024), H200 datasheet](../book/references.md): NVLink bandwidth, 900 GB/s in both directions together.
+# - [NVIDIA (2024)](../book/references.md), nccl-tests' doc/PERFORMANCE.md: algorithm and bus bandwidth.
+# - [NVIDIA (2024)](../book/references.md), H200 datasheet: NVLink bandwidth, 900 GB/s in both directions together.
 # - Hugging Face accelerate documentation: the `accelerate launch` options and the config file's keys
 #   (`mixed_precision`, `fsdp_config`).
