@@ -236,6 +236,14 @@ _DTYPE_BYTES = {"float": 4, "float32": 4, "double": 8, "float64": 8, "half": 2, 
                 "float8_e4m3fn": 1, "float8_e5m2": 1}
 
 
+
+def _trace_events(path: str | Path) -> list[dict]:
+    """The ``traceEvents`` of a Chrome trace file, gzipped (``.gz``) or not."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return json.load(f)["traceEvents"]
+
 def collective_kind(name: str) -> str:
     """``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast`` or ``other`` for a collective's name
     (``allreduce``, ``_reduce_scatter_base``, ``ncclDevKernel_AllGather_RING_LL``, ...).
@@ -265,10 +273,7 @@ def communication_from_trace(path: str | Path) -> pd.DataFrame:
 
     Introduced in chapter 7, section 7.7.
     """
-    path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        events = json.load(f)["traceEvents"]
+    events = _trace_events(path)
     rows, cpu_rows = [], []
     for e in events:
         if e.get("ph") != "X":
@@ -362,10 +367,7 @@ def communication_overlap(path: str | Path) -> dict[str, float]:
 
     Introduced in chapter 7, section 7.7.
     """
-    path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        events = json.load(f)["traceEvents"]
+    events = _trace_events(path)
     comm, compute = [], []
     for e in events:
         if e.get("ph") != "X" or e.get("cat") != "kernel" or float(e.get("dur", 0) or 0) <= 0:
