@@ -809,7 +809,7 @@ if profiles.cuda_or_skip("no NVLink between CPU processes (gloo moves data throu
     found = collectives.nvlink_status()
     links = found[1].get(0, []) if found else []
     if found is None:
-        print("nvidia-smi nvlink -s did not run here: the link's nominal bandwidth is unknown")
+        print("nvidia-smi nvlink -s is missing or failed here: the link's nominal bandwidth is unknown")
     elif not links:
         print(f"nvidia-smi reports no active NVLink on GPU 0 ({gpu_name}): the GPUs talk over PCIe; "
               "its nominal bandwidth is not read here")
