@@ -33,7 +33,7 @@ Time and memory over time (chapter 8)
 - ``timing``      timing GPU work honestly: wall, CUDA-event and host clocks, spread, GPU-busy, a verdict
 - ``memsnap``     the allocator's history: memory over time by origin, its peak, the survivors of a step
 
-Communication (written for chapter 7; not yet used by a chapter)
+Communication (chapter 7)
 - ``collectives`` collectives timed in launched processes (nccl-tests' bus bandwidth), and read from a trace
 
 Planning (chapter 10)

@@ -177,7 +177,7 @@ def _check_collective(collective: str, n_ranks: int) -> None:
 def bus_factor(collective: str, n_ranks: int) -> float:
     """nccl-tests' factor from algorithm to bus bandwidth: 2(n-1)/n, (n-1)/n, (n-1)/n or 1.
 
-    Not used in a chapter yet (written for chapter 7's communication measurements).
+    Introduced in chapter 7, section 7.7.
     """
     _check_collective(collective, n_ranks)
     n = n_ranks
@@ -192,7 +192,7 @@ def sent_factor(collective: str, n_ranks: int) -> float:
     ranks send ``(n-1) S`` together, ``(n-1)/n S`` each on average, although the root's link carries
     all ``S`` (which is why its bus factor is 1).
 
-    Not used in a chapter yet (written for chapter 7's communication measurements).
+    Introduced in chapter 7, section 7.7.
     """
     _check_collective(collective, n_ranks)
     return (n_ranks - 1) / n_ranks if collective == "broadcast" else bus_factor(collective, n_ranks)
@@ -202,7 +202,7 @@ def sent_factor(collective: str, n_ranks: int) -> float:
 class Transfer:
     """One kind of collective an engine runs each step: ``size_bytes`` (``S``, summed over the step's calls).
 
-    Not used in a chapter yet (written for chapter 7's communication measurements).
+    Introduced in chapter 7, section 7.7.
     """
 
     engine: str
@@ -243,7 +243,7 @@ def engine_transfers(
     ``param_bytes`` and ``grad_bytes`` are the widths on the wire (4 for the fp32 training of chapter 7;
     2 where FSDP's mixed-precision policy gathers and reduces in bf16).
 
-    Not used in a chapter yet (written for chapter 7's communication measurements).
+    Introduced in chapter 7, section 7.7.
     """
     if engine not in STAGES:
         raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(STAGES)}")
@@ -268,7 +268,7 @@ def communication_table(
 
     Sum a column by engine for the step's total; ``ratio_to_ddp`` divides those totals by DDP's.
 
-    Not used in a chapter yet (written for chapter 7's communication measurements).
+    Introduced in chapter 7, section 7.7.
     """
     rows = [
         {"engine": t.engine, "when": t.when, "collective": t.collective, "S (bytes)": t.size_bytes,
@@ -282,7 +282,7 @@ def communication_table(
 def ratio_to_ddp(table: pd.DataFrame, column: str = "sent per rank (bytes)") -> pd.Series:
     """Each engine's per-step total of ``column`` over DDP's (the table must include DDP).
 
-    Not used in a chapter yet (written for chapter 7's communication measurements).
+    Not used in a chapter (chapter 7 compares S per collective instead).
     """
     totals = table.groupby("engine", sort=False)[column].sum()
     if "ddp" not in totals.index:

@@ -291,13 +291,20 @@ def compare(timings: dict[str, Timed], baseline: str) -> dict[str, dict[str, flo
     if baseline not in timings:
         raise ValueError(f"baseline {baseline!r} is not one of {', '.join(timings)}")
     ref = timings[baseline].wall
-    out: dict[str, dict[str, float | str]] = {}
-    for name, t in timings.items():
-        w = t.wall
-        noise = max(ref.iqr, w.iqr)
-        significant = abs(ref.median - w.median) > noise
-        out[name] = {
-            "speed-up": ref.median / w.median,
-            "difference": ("faster" if w.median < ref.median else "slower") if significant else "within the noise",
-        }
-    return out
+    return {name: {"speed-up": ref.median / t.wall.median, "difference": difference(ref, t.wall)}
+            for name, t in timings.items()}
+
+
+def difference(reference: Spread, other: Spread) -> str:
+    """``"faster"``, ``"slower"`` or ``"within the noise"``: ``other`` against ``reference`` (times).
+
+    The rule of ``compare``: a difference counts only when the two medians differ by more than the
+    larger of the two IQRs. For spreads that come from elsewhere (the step times a launched script
+    recorded, for example).
+
+    Introduced in chapter 7, section 7.4.
+    """
+    significant = abs(reference.median - other.median) > max(reference.iqr, other.iqr)
+    if not significant:
+        return "within the noise"
+    return "faster" if other.median < reference.median else "slower"

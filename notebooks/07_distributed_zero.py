@@ -17,9 +17,9 @@
 # # 7. Beyond one GPU: data, tensor and pipeline parallelism, ZeRO and FSDP
 #
 # Chapter 1 counted 16 bytes per parameter for training in fp32 with AdamW: weights, gradients and two
-# optimizer states. For the 1.3-billion-parameter GPT-NeoX of this book that is
-# {glue:text}`ddp_1p3b_gib:.1f` GiB before a single activation, more than a T4 holds, and the
-# 7.5-billion-parameter model of the ZeRO paper needs {glue:text}`paper_ddp_gb:.0f` GB in mixed precision.
+# optimizer states. For the 1.33-billion-parameter GPT-NeoX of this book that is $16 \times 1.33 \times 10^9$
+# bytes, about 20 GiB, before a single activation, more than a T4 holds, and the 7.5-billion-parameter model of
+# the ZeRO paper needs $16 \times 7.5 \times 10^9$ bytes = 120 GB in mixed precision.
 # When the model states no longer fit one GPU, or when one GPU is too slow, training is split over several.
 # This chapter runs the ways of splitting it, with PyTorch's own engines, on two GPUs, and holds each against
 # the arithmetic that predicts it.
@@ -34,13 +34,17 @@
 #   paper's 7.5B example;
 # - ZeRO for real: the same model trained under DDP, `ZeroRedundancyOptimizer` (ZeRO-1) and FSDP
 #   (ZeRO-2-like and ZeRO-3), launched with `torchrun`, measured per rank, and compared with the formula;
-# - the same through `accelerate launch` with an FSDP config, without changing the training script.
+#   the throughput that a second GPU adds, per engine;
+# - the same through `accelerate launch` with an FSDP config, without changing the training script;
+# - what the collectives cost: bus bandwidth against message size and the link's nominal bandwidth, and
+#   each engine's bytes per step, from the formula and from a profiler trace.
 #
 # **Prerequisites:** chapter 1 (the 16 bytes per parameter). The numbers quoted in the text come from the
 # machine in the first output below (two GPUs, NCCL). On a CPU the notebook runs the same scripts as two
-# processes that talk through the `gloo` backend, with the tiny twin of the model, in about a minute. The
-# full profile needs GPUs larger than a T4, since on one GPU the fp32 model states alone take
-# {glue:text}`ddp_1p3b_gib:.1f` GiB; on a single T4, run the tiny profile (`GPUBOOK_PROFILE=tiny`).
+# processes that talk through the `gloo` backend, with the tiny twin of the model, in about a minute. On one
+# GPU the sections that need two say so in one line, and where the GPU is too small for the 1.3B model's
+# fp32 states (a T4's 15 GB), section 7.4 trains the same architecture with fewer transformer blocks and
+# prints how many.
 
 # %%
 import sys
@@ -68,10 +72,9 @@ import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from IPython.display import Code
+from IPython.display import Code, Markdown, display
 
-from helpers import estimates, launching, models, plots, profiles
-from helpers.glue import glue
+from helpers import collectives, estimates, launching, models, plots, profiles, timing
 from helpers.measure import GIB, MIB, T4_MEMORY_GIB
 
 plots.use_style()
@@ -148,16 +151,20 @@ dp_check = pd.DataFrame(
     {v: [max_rel_diff(r[v], reference) for r in ranks] for v in ("manual", "ddp", "local")},
     index=pd.Index([r["rank"] for r in ranks], name="rank"),
 ).rename(columns=lambda v: f"{v}: max relative difference")
-if prof.is_full and prof.on_gpu and ranks:
-    glue("dp_max_rel_diff", dp_check.iloc[:, :2].to_numpy().max())
-    glue("dp_local_rel_diff", dp_check.iloc[:, 2].min())
 dp_check.map("{:.1e}".format)
 
+# %% tags=["remove-input"]
+if ranks:
+    display(Markdown(
+        f"Both data-parallel gradients match the single process's on every rank: the largest difference is "
+        f"{dp_check.iloc[:, :2].to_numpy().max():.1e} of a tensor's largest gradient, which is float64 rounding "
+        f"(the sums run in a different order). A rank's own shard alone misses by "
+        f"{dp_check.iloc[:, 2].min():.0%} or more."))
+else:
+    print("skipped: one GPU here, so no data-parallel gradients to compare")
+
 # %% [markdown]
-# Both data-parallel gradients match the single process's on every rank: the largest difference is
-# {glue:text}`dp_max_rel_diff:.1e` of a tensor's largest gradient, which is float64 rounding (the sums run in a
-# different order). A rank's own shard alone misses by {glue:text}`dp_local_rel_diff:.0%` or more. The
-# all-reduce runs once per step on every gradient. A bandwidth-optimal way to all-reduce large messages, and one
+# The all-reduce runs once per step on every gradient. A bandwidth-optimal way to all-reduce large messages, and one
 # that NCCL uses, is a *ring*: the ranks pass chunks of $1/N$ of the buffer around a ring, $N-1$ steps to sum them (a
 # reduce-scatter) and $N-1$ steps to hand the sums to everyone (an all-gather), so each rank sends, and
 # receives, $2(N-1)/N$ times the gradient bytes: exactly the gradients on 2 GPUs, almost twice them on many.
@@ -260,18 +267,18 @@ comm = pd.DataFrame({
     "what is all-reduced": ["activations, per layer", "activations, whole model", "fp32 gradients, once"],
     "per step (MiB)": [tp_bytes_layer / MIB, tp_bytes_layer * cfg.num_hidden_layers / MIB, 4 * n_full / MIB],
 }, index=["tensor parallel", "tensor parallel", "data parallel"])
-glue("tp_layer_mib", tp_bytes_layer / MIB)
-glue("tp_model_mib", tp_bytes_layer * cfg.num_hidden_layers / MIB)
-glue("dp_grads_mib", 4 * n_full / MIB)
-glue("tp_messages", 4 * cfg.num_hidden_layers)
-glue("ddp_1p3b_gib", 16 * n_full / GIB)
 print(comm.to_string(float_format="{:,.2f}".format))
+
+# %% tags=["remove-input"]
+tp_mib, dp_mib = tp_bytes_layer * cfg.num_hidden_layers / MIB, 4 * n_full / MIB
+display(Markdown(
+    f"Tensor parallelism all-reduces {'less' if tp_mib < dp_mib else 'more'} here ({tp_mib:,.0f} MiB against "
+    f"{dp_mib:,.0f} MiB), but as {4 * cfg.num_hidden_layers} all-reduces per step that sit *between* the layers' "
+    f"computations: every layer waits for its messages."))
 
 
 # %% [markdown]
-# Tensor parallelism all-reduces less here ({glue:text}`tp_model_mib:,.0f` MiB against
-# {glue:text}`dp_grads_mib:,.0f` MiB), but as {glue:text}`tp_messages` all-reduces per step that sit
-# *between* the layers' computations: every layer waits for its messages. Gradient all-reduces can overlap with
+# Gradient all-reduces can overlap with
 # the rest of the backward pass. That is why tensor parallelism is kept inside one machine, on NVLink, and data
 # parallelism goes between machines ([Narayanan et al., 2021](../book/references.md)).
 #
@@ -311,9 +318,6 @@ p = 4
 bubbles = {m: bubble(gpipe_schedule(p, m), p) for m in (1, 2, 4, 8, 16, 32)}
 for m, frac in bubbles.items():
     assert math.isclose(frac, (p - 1) / (m + p - 1)), (m, frac)  # GPipe's bubble: (p-1)/(m+p-1)
-glue("bubble_m1", bubbles[1])
-glue("bubble_m8", bubbles[8])
-glue("bubble_m32", bubbles[32])
 
 # %% [markdown]
 # The simulated idle fraction equals GPipe's formula $(p-1)/(m+p-1)$ for every $m$ (asserted above). Drawn for
@@ -336,10 +340,13 @@ axes[0].legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in ("#4C72B0"
 fig.suptitle("GPipe on 4 stages: micro-batches shrink the pipeline bubble")
 fig.tight_layout()
 
+# %% tags=["remove-input"]
+display(Markdown(
+    f"With one micro-batch, {bubbles[1]:.0%} of the GPUs' time is idle: each GPU waits while the others work. "
+    f"Eight micro-batches bring it to {bubbles[8]:.0%}, 32 to {bubbles[32]:.0%}."))
+
 # %% [markdown]
-# With one micro-batch, {glue:text}`bubble_m1:.0%` of the GPUs' time is idle: each GPU waits while the others
-# work. Eight micro-batches bring it to {glue:text}`bubble_m8:.0%`, 32 to {glue:text}`bubble_m32:.0%`. More
-# micro-batches cost memory: GPipe keeps every micro-batch's activations until its backward pass. The
+# More micro-batches cost memory: GPipe keeps every micro-batch's activations until its backward pass. The
 # "one forward, one backward" (1F1B) schedule of [Narayanan et al. (2021)](../book/references.md) has the same bubble but
 # starts backward passes early, so a stage holds at most $p$ micro-batches' activations.
 
@@ -374,14 +381,16 @@ paper = pd.DataFrame({
     "formula (GiB)": {s: estimates.zero_model_state_bytes(psi, n_d, s)["total"] / GIB for s in estimates.STAGES},
 }).rename(index=estimates.STAGE_LABELS)
 assert (paper["formula (GB)"].round(1) == paper["paper (GB)"]).all()  # the paper's numbers, to its precision
-for stage, gb in zip(estimates.STAGES, paper["formula (GB)"]):
-    glue(f"paper_{stage}_gb", gb)
 print(paper.to_string(float_format="{:,.2f}".format))
 
+# %% tags=["remove-input"]
+gb = paper["formula (GB)"].to_numpy()
+display(Markdown(
+    f"The formula gives the paper's {gb[0]:.0f}, {gb[1]:.1f}, {gb[2]:.1f} and {gb[3]:.1f} GB, which the paper rounds "
+    f"to one decimal (the last column converts them to the binary GiB of this book)."))
+
 # %% [markdown]
-# The formula gives the paper's {glue:text}`paper_ddp_gb:.0f`, {glue:text}`paper_zero1_gb:.1f`,
-# {glue:text}`paper_zero2_gb:.1f` and {glue:text}`paper_zero3_gb:.1f` GB, which the paper rounds to one
-# decimal (the last column converts them to the binary GiB of this book). How they fall with the number of GPUs:
+# How they fall with the number of GPUs:
 
 # %%
 n_gpus = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
@@ -391,13 +400,15 @@ fig = plots.lines(curve, x="GPUs", ys=list(estimates.STAGE_LABELS.values()), log
                   xlabel="data-parallel GPUs $N_d$", ylabel="model states per GPU (GiB)")
 fig.axes[0].axhline(T4_MEMORY_GIB, color="grey", linestyle="--", label="a T4's 14.75 GiB")
 fig.axes[0].legend()
-glue("zero1_floor_gib", 4 * psi / GIB)
-glue("zero2_floor_gib", 2 * psi / GIB)
+fig.tight_layout()
+
+# %% tags=["remove-input"]
+display(Markdown(
+    f"ZeRO-1 and ZeRO-2 level off: however many GPUs, each keeps the full fp16 parameters and (ZeRO-1) gradients, "
+    f"$4\\Psi$ = {4 * psi / GIB:.1f} GiB and $2\\Psi$ = {2 * psi / GIB:.1f} GiB."))
 
 # %% [markdown]
-# ZeRO-1 and ZeRO-2 level off: however many GPUs, each keeps the full fp16 parameters and (ZeRO-1) gradients,
-# $4\Psi$ = {glue:text}`zero1_floor_gib:.1f` GiB and $2\Psi$ = {glue:text}`zero2_floor_gib:.1f` GiB. Only
-# ZeRO-3 keeps falling as $1/N_d$. The price is communication, which the paper counts per GPU and step
+# Only ZeRO-3 keeps falling as $1/N_d$. The price is communication, which the paper counts per GPU and step
 # (its section 7, for many GPUs): plain data parallelism moves $2\Psi$ elements, since its all-reduce is a
 # reduce-scatter followed by an all-gather (with a ring, $2(N_d-1)/N_d \cdot \Psi$ from each GPU: this
 # chapter's section 7.1). The paper's stages 1 and 2 move the same $2\Psi$: they reduce-scatter the gradients, each GPU updates its share of the
@@ -441,19 +452,55 @@ Code(inspect.getsource(zero_script.wrap), language="python")
 # random batches and records the bytes it holds, counted by `accounting.model_state_bytes` (FSDP
 # turns each tensor into a `DTensor` whose `numel()` is the global size; each rank counts its local shard),
 # the bytes of whole parameters it holds right after the forward pass (*gathered*), its peak allocated
-# memory (GPU only) and its median step time. The full profile trains the 1.3B GPT-NeoX at batch 4 per rank,
-# sequence 256; we launch it on 1 GPU and on 2, and 4 GPUs would be next.
+# memory (GPU only) and the time of each of its timed steps (after untimed warm-up steps). The full profile
+# trains the 1.3B GPT-NeoX at batch 4 per rank, sequence 256; we launch it on 1 GPU and on 2, and 4 GPUs would
+# be next. On the world size of 2, each rank also records one more step with the profiler, for section 7.7.
+#
+# The runs on one GPU hold everything: 16 bytes per parameter, FSDP's gathered copy beside its shards (4 more),
+# the optimizer step's temporary buffers and the activations. Where the GPU's free memory is smaller than that
+# estimate (with a 10% margin), the cell below keeps the architecture and drops transformer blocks until it
+# fits, and says so; the numbers then describe that smaller model.
 
 # %%
-size = prof.pick(tiny=dict(batch=2, seq=32, warmup=1, steps=2), full=dict(batch=4, seq=256, warmup=2, steps=3))
+size = prof.pick(tiny=dict(batch=2, seq=32, warmup=1, steps=3), full=dict(batch=4, seq=256, warmup=2, steps=10))
+recipe = dict(param_bytes=4, grad_bytes=4, optimizer_bytes=8)  # fp32 AdamW: K = 8, no separate master copy
+
+
+def one_gpu_need_bytes(n_layers):
+    """Estimated peak of the 1-GPU runs: states + FSDP's gathered copy + optimizer temporaries + activations."""
+    psi = models.n_params(models.build("polyglot-ko-1.3b", profile="full", head="causal-lm", device="meta",
+                                       num_hidden_layers=n_layers))
+    states = estimates.zero_model_state_bytes(psi, 1, "ddp", **recipe)["total"]  # 16 bytes per parameter
+    acts = 2 * estimates.korthikanti_activation_bytes(size["seq"], size["batch"], cfg.hidden_size,
+                                                      cfg.num_attention_heads, layers=n_layers, attention="flash")
+    logits = 3 * 4 * size["batch"] * size["seq"] * cfg.vocab_size  # fp32 logits, their softmax and gradient
+    return states + 4 * psi + 4 * psi + acts + logits  # fp32 activations: twice the 16-bit formula
+
+
+n_layers = cfg.num_hidden_layers  # the model's own 24 blocks
+if prof.is_full and prof.on_gpu:
+    free_bytes = torch.cuda.mem_get_info(0)[0] - GIB  # keep 1 GiB for the launched process's CUDA context
+    fits = next((n for n in range(cfg.num_hidden_layers, 0, -1) if 1.1 * one_gpu_need_bytes(n) <= free_bytes), None)
+    if fits is None:
+        raise RuntimeError(f"even one block needs about {1.1 * one_gpu_need_bytes(1) / GIB:.1f} GiB; this GPU has "
+                           f"{free_bytes / GIB:.1f} GiB free: run the tiny profile (GPUBOOK_PROFILE=tiny)")
+    n_layers = fits
+    if n_layers < cfg.num_hidden_layers:
+        print(f"this GPU has {free_bytes / GIB:.1f} GiB free; the 1-GPU runs of the {cfg.num_hidden_layers}-block model "
+              f"need about {1.1 * one_gpu_need_bytes(cfg.num_hidden_layers) / GIB:.0f} GiB: training {n_layers} blocks instead")
 train_args = ["--profile", prof.name] + [a for k, v in size.items() for a in (f"--{k}", str(v))]
+if prof.is_full and n_layers < cfg.num_hidden_layers:
+    train_args += ["--layers", str(n_layers)]
 runs = []
-for ws in (1, 2, 4):
-    if ws > n_dev:
-        print(f"world size {ws}: needs {ws} GPUs, this machine has {n_dev}: formula only" if prof.on_gpu
-              else f"world size {ws}: the tiny profile launches at most {n_dev} processes: formula only")
-        continue
-    launch = launching.torchrun(SCRIPTS / "train_zero.py", ws, ["--out", WORK / f"ws{ws}", *train_args])
+world_sizes = [ws for ws in (1, 2, 4) if ws <= n_dev]
+skipped = [w for w in (1, 2, 4) if w > n_dev]
+if skipped:
+    print(f"world size{'s' if len(skipped) > 1 else ''} {' and '.join(map(str, skipped))}: formula only ("
+          + (f"this machine has {n_dev} GPU{'s' if n_dev > 1 else ''})" if prof.on_gpu
+             else "the tiny profile launches at most 2 CPU processes)"))
+for ws in world_sizes:
+    extra = ["--trace", WORK / "traces"] if ws == 2 else []  # one profiled step per strategy, rank 0
+    launch = launching.torchrun(SCRIPTS / "train_zero.py", ws, ["--out", WORK / f"ws{ws}", *train_args, *extra])
     print(launch.text)
     done = launching.run(launch)
     print(f"  finished in {done.seconds:.0f} s")
@@ -472,7 +519,6 @@ assert (results["status"] == "ok").all(), (
 
 # %%
 unit, unit_name = prof.pick(tiny=(MIB, "MiB"), full=(GIB, "GiB"))
-recipe = dict(param_bytes=4, grad_bytes=4, optimizer_bytes=8)
 psi_run = int(results["n_params"].iloc[0])
 model_size = f"GPT-NeoX, {psi_run / 1e9:.2f}B parameters" if psi_run >= 1e9 else f"GPT-NeoX, {psi_run / 1e6:.1f}M parameters"
 parts = {"params_mib": "parameters", "gathered_params_mib": "gathered parameters", "grads_mib": "gradients",
@@ -488,7 +534,10 @@ table["measured / formula"] = table[f"model states ({unit_name})"] / table[f"for
 if prof.on_gpu:
     table["peak allocated (GiB)"] = top.set_index(["world_size", "strategy"])["peak_allocated_mib"] * MIB / GIB
     table["allocated at start (MiB)"] = top.set_index(["world_size", "strategy"])["allocated_before_mib"]
-table["step time (s)"] = top.set_index(["world_size", "strategy"])["step_time_s"]
+steps = {key: timing.Spread.of(tuple(t)) for key, t in
+         top.set_index(["world_size", "strategy"])["step_times_s"].items()}  # the rank holding the most
+table["step time, median (s)"] = [steps[k].median for k in table.index]
+table["step time, IQR (s)"] = [steps[k].iqr for k in table.index]
 table
 
 # %% [markdown]
@@ -550,40 +599,66 @@ if profiles.cuda_or_skip("peak allocated memory is an allocator statistic"):
     ax.set_xlabel("")
     ax.set_title(f"{model_size}, fp32 AdamW, batch {size['batch']} x {size['seq']}: peak memory per rank")
     ax.figure.tight_layout()
-if prof.is_full and prof.on_gpu:
-    for ws in peak.columns:
-        for stage in estimates.STAGES:
-            row = table.loc[(ws, stage)]
-            glue(f"z_{stage}_n{ws}_states_gib", row["model states (GiB)"])
-            glue(f"z_{stage}_n{ws}_peak_gib", row["peak allocated (GiB)"])
-            glue(f"z_{stage}_n{ws}_step_s", row["step time (s)"])
-    for ws in (1, 2, 4):
-        for stage in estimates.STAGES:
-            glue(f"z_{stage}_n{ws}_formula_gib",
-                 estimates.zero_model_state_bytes(psi_run, ws, stage, **recipe)["total"] / GIB)
-    glue("z_psi_b", psi_run / 1e9)
-    glue("z_alloc_start_max_mib", table["allocated at start (MiB)"].max())
+
+# %% tags=["remove-input"]
+if prof.on_gpu:
+    t, gib = table, f"model states ({unit_name})"
+    text = (f"On one GPU, DDP holds {t.loc[(1, 'ddp'), gib]:.1f} {unit_name} of model states and peaks at "
+            f"{t.loc[(1, 'ddp'), 'peak allocated (GiB)']:.1f} GiB: on top of the model states come the activations "
+            f"and the optimizer step's temporary buffers. Every strategy started from "
+            f"{t['allocated at start (MiB)'].max():.0f} MiB allocated or less.")
+    if 2 in world_sizes:
+        cmp3 = timing.difference(steps[(2, "ddp")], steps[(2, "zero3")])
+        text += (f" On two GPUs, ZeRO-3 holds {t.loc[(2, 'zero3'), gib]:.1f} {unit_name} at rest and peaks at "
+                 f"{t.loc[(2, 'zero3'), 'peak allocated (GiB)']:.1f} GiB per rank, against "
+                 f"{t.loc[(2, 'ddp'), 'peak allocated (GiB)']:.1f} GiB for DDP. The step times on two GPUs (medians of "
+                 f"{size['steps']} steps: {steps[(2, 'ddp')].median:.3f} s for DDP, IQR {steps[(2, 'ddp')].iqr * 1e3:.1f} ms; "
+                 f"{steps[(2, 'zero3')].median:.3f} s for ZeRO-3, IQR {steps[(2, 'zero3')].iqr * 1e3:.1f} ms: ZeRO-3 is "
+                 f"{cmp3 if cmp3 == 'within the noise' else cmp3 + ' than DDP'}) include the communication between two "
+                 f"GPUs of one machine; section 7.6 says what changes over a network.")
+    display(Markdown(text))
+else:
+    print("skipped on CPU: memory peaks and step times of CPU processes say nothing about GPUs")
 
 # %% [markdown]
-# On one GPU, DDP holds {glue:text}`z_ddp_n1_states_gib:.1f` GiB of model states and peaks at
-# {glue:text}`z_ddp_n1_peak_gib:.1f` GiB: on top of the model states come the activations and the optimizer
-# step's temporary buffers. Every strategy started from {glue:text}`z_alloc_start_max_mib:.0f` MiB allocated
-# or less. On two GPUs, ZeRO-3 holds
-# {glue:text}`z_zero3_n2_states_gib:.1f` GiB at rest and peaks at {glue:text}`z_zero3_n2_peak_gib:.1f` GiB
-# per rank, against {glue:text}`z_ddp_n2_peak_gib:.1f` GiB for DDP. The step times on two GPUs
-# ({glue:text}`z_ddp_n2_step_s:.2f` s for DDP, {glue:text}`z_zero3_n2_step_s:.2f` s for ZeRO-3) include the
-# communication, here over NVLink between two GPUs of one machine; section 7.6 says what changes over a
-# network.
-#
-# **Scaling from 1 to 2 GPUs.** Each rank trains 4 sequences per step, so two GPUs train twice the samples
-# of one in each step, and the throughput ratio is $2 \times t_1 / t_2$ for step times $t_1$ on one GPU and
-# $t_2$ on two. *From the committed 2-GPU run shown above* (typed here rather than computed by a code cell,
-# the one exception in this chapter, because it has not been re-executed on two GPUs since; the table above
-# shows your own run's step times): DDP's steps of 0.218 s on one GPU and 0.231 s on two give
-# 1.89 times the throughput, a scaling efficiency of 94%; ZeRO-1 gives 1.86 times, FSDP's ZeRO-2 1.99 and
-# ZeRO-3 1.98. Only three timed steps per engine were kept, as a median without its spread, so these
-# differences between engines are not established; that the second GPU nearly doubles the throughput is.
-#
+# **Scaling from 1 to 2 GPUs.** Each rank trains the same number of sequences per step, so two GPUs train
+# twice the samples of one in each step, and the throughput ratio is $2 \times t_1 / t_2$ for step times $t_1$
+# on one GPU and $t_2$ on two; the *scaling efficiency* is that ratio over 2, $t_1 / t_2$. The range beside
+# each ratio combines the quartiles of the two step times (fastest quartile over slowest, and the reverse):
+
+# %%
+if prof.on_gpu and 2 in world_sizes:
+    scaling = pd.DataFrame([{
+        "1 GPU: step (s)": steps[(1, stage)].median, "2 GPUs: step (s)": steps[(2, stage)].median,
+        "throughput 2 vs 1": 2 * steps[(1, stage)].median / steps[(2, stage)].median,
+        "range from quartiles": f"{2 * steps[(1, stage)].q1 / steps[(2, stage)].q3:.2f}"
+                                f" to {2 * steps[(1, stage)].q3 / steps[(2, stage)].q1:.2f}",
+        "efficiency": f"{steps[(1, stage)].median / steps[(2, stage)].median:.0%}",
+        "2-GPU step vs 1-GPU step": timing.difference(steps[(1, stage)], steps[(2, stage)]),
+    } for stage in estimates.STAGES], index=[estimates.STAGE_LABELS[s] for s in estimates.STAGES])
+    display(scaling)
+else:
+    print("skipped: scaling needs 2 GPUs" + ("" if prof.on_gpu else " (CPU processes share one CPU's cores)"))
+
+# %% tags=["remove-input"]
+if prof.on_gpu and 2 in world_sizes:
+    eff = scaling["throughput 2 vs 1"] / 2
+    slower = [s for s in scaling.index if scaling.loc[s, "2-GPU step vs 1-GPU step"] == "slower"]
+    display(Markdown(
+        f"From 1 to 2 GPUs the throughput grows {scaling['throughput 2 vs 1'].min():.2f} to "
+        f"{scaling['throughput 2 vs 1'].max():.2f} times across the four engines, a scaling efficiency of "
+        f"{eff.min():.0%} ({eff.idxmin()}) to {eff.max():.0%} ({eff.idxmax()}). "
+        + (f"For {'all four engines' if len(slower) == len(scaling) else ', '.join(slower)} the step on two GPUs is "
+           f"slower than on one beyond the noise: part of that is communication that the computation does not hide "
+           f"(section 7.7 measures how much). " if slower else
+           "No engine's step on two GPUs is slower than on one beyond the noise: the communication hides almost "
+           "entirely behind the computation here (section 7.7 measures how much). ")
+        + "Differences between the engines' ratios smaller than their ranges are not established by these runs."))
+else:
+    print("skipped: no 2-GPU run to compare with" if prof.on_gpu
+          else "skipped on CPU: step times of CPU processes say nothing about GPUs")
+
+# %% [markdown]
 # The engines change where the states live, not the arithmetic: on each world size, rank 0's losses are the
 # same under all four (they differ only by the order in which gradients were summed).
 
@@ -636,16 +711,21 @@ np.testing.assert_allclose(acc.set_index("rank")[held], mine[held])  # same engi
 print(f"accelerate wrapped the model as {acc['wrapped_as'].iloc[0]}: per rank the same parameters, gradients "
       f"and optimizer states as the hand-made '{engine}' run")
 acc_cols = ["rank", *held, "gathered_params_mib", "peak_allocated_mib", "step_time_s"]
-if prof.is_full and prof.on_gpu:
-    glue("acc_gathered_mib", acc["gathered_params_mib"].max())
 acc[acc_cols]
 
+# %% tags=["remove-input"]
+if engine == "zero3":
+    gathered_mib = acc["gathered_params_mib"].max()
+    display(Markdown(
+        "accelerate's FSDP holds, per rank, exactly the shards of our hand-made ZeRO-3 (asserted above). "
+        + (f"One difference shows in the gathered column, {gathered_mib:,.0f} MiB: accelerate puts the final layer "
+           "norm and the output head in a unit of their own that stays gathered from the end of the forward pass to "
+           "the start of the backward pass, since the backward pass needs them first."
+           if gathered_mib > 0 else "Its gathered column is 0, like ZeRO-3's.")))
+else:
+    print("skipped on CPU: accelerate applies an FSDP config only on GPUs; here it ran DDP, asserted equal to ours")
+
 # %% [markdown]
-# accelerate's FSDP holds, per rank, exactly the shards of our hand-made ZeRO-3 (asserted above). One
-# difference shows in the gathered column, {glue:text}`acc_gathered_mib:,.0f` MiB: accelerate 1.15 puts the
-# final layer norm and the output head in a unit of their own that stays gathered from the end of the forward
-# pass to the start of the backward pass, since the backward pass needs them first.
-#
 # DeepSpeed's ZeRO is configured the same way, with `distributed_type: DEEPSPEED` and a `deepspeed_config`
 # (`zero_stage: 1`, `2` or `3`) in the YAML file; it is not tried here:
 
@@ -682,25 +762,202 @@ print("DeepSpeed is installed, but this chapter runs only the FSDP config" if de
 # way); and `launching.launch_env` turns NVLink multicast off (`NCCL_NVLS_ENABLE=0` and two related
 # variables), as the GPU machines of this book require; elsewhere NCCL's defaults are fine.
 
+# %% [markdown]
+# ## 7.7 Communication, measured
+#
+# How fast are the collectives themselves? `scripts/collectives_bench.py` times all-reduce, reduce-scatter,
+# all-gather and broadcast on every GPU of this machine, from 1 MiB to 1 GiB (in the tiny profile: two CPU
+# processes with gloo, 64 KiB to 4 MiB). It follows the definitions of NVIDIA's `nccl-tests`
+# ([NVIDIA (2024)](../book/references.md), its doc/PERFORMANCE.md): for a collective on $S$ bytes that takes $t$
+# seconds on $n$ ranks, the *algorithm bandwidth* is $S/t$ and the *bus bandwidth* multiplies it by what a
+# ring moves over each link: $2(n-1)/n$ for all-reduce (the ring of section 7.1), $(n-1)/n$ for
+# reduce-scatter and all-gather, 1 for broadcast. The bus bandwidth does not depend on $n$ for an ideal
+# ring, and nccl-tests compares it with the hardware's peak bandwidth *per direction* of the link. Every
+# size is timed 20 times after 5 warm-up calls (10 after 2 in the tiny profile; each call starts after a
+# barrier and a synchronisation, and its time is the slowest rank's); the table keeps the median, the IQR
+# and the fastest call.
+
+# %%
+if n_dev >= 2:
+    bench_args = prof.pick(tiny=dict(min_bytes=2**16, max_bytes=2**22, warmup=2, repeat=10),
+                           full=dict(min_bytes=2**20, max_bytes=2**30, warmup=5, repeat=20))
+    launch = launching.torchrun(SCRIPTS / "collectives_bench.py", n_dev,
+                                ["--out", WORK / "bandwidth"] + [a for k, v in bench_args.items()
+                                                                 for a in (f"--{k.replace('_', '-')}", str(v))])
+    print(launch.text)
+    done = launching.run(launch)
+    print(f"  finished in {done.seconds:.0f} s: {done.stdout.strip()}")
+    bw = launching.read_results(WORK / "bandwidth")
+    bandwidth = collectives.bandwidth_table(bw)
+    display(bandwidth)
+else:
+    bw = None
+    print(f"skipped: collectives need 2 GPUs; this machine has {n_dev}")
+
+# %% [markdown]
+# The link's nominal bandwidth: `nvidia-smi nvlink -s` lists each NVLink of a GPU with the speed the driver
+# reports for it. NVIDIA's H200 datasheet ([NVIDIA (2024)](../book/references.md)) gives 900 GB/s of NVLink
+# bandwidth per GPU, counted in both directions together: 450 GB/s each way, the number a bus bandwidth is held
+# against. The driver's per-link figures, summed, need not equal the datasheet's exactly; both are drawn where
+# found, and the text below uses the datasheet's where it knows the GPU.
+
+# %%
+H200_NVLINK_PER_DIRECTION_GB_S = 450.0  # NVIDIA H200 datasheet: 900 GB/s NVLink, both directions together
+nominal = {}  # label -> GB/s per direction, drawn as lines
+if profiles.cuda_or_skip("no NVLink between CPU processes (gloo moves data through the host)"):
+    gpu_name = torch.cuda.get_device_name(0)
+    found = collectives.nvlink_status()
+    links = found[1].get(0, []) if found else []
+    if found is None:
+        print("nvidia-smi nvlink -s is missing or failed here: the link's nominal bandwidth is unknown")
+    elif not links:
+        print(f"nvidia-smi reports no active NVLink on GPU 0 ({gpu_name}): the GPUs talk over PCIe; "
+              "its nominal bandwidth is not read here")
+    else:
+        nominal[f"nvidia-smi: {len(links)} links, sum"] = sum(links)
+        print(f"nvidia-smi nvlink -s, GPU 0 ({gpu_name}): {len(links)} active links, "
+              f"{', '.join(sorted({f'{v:g} GB/s' for v in links}))} each, {sum(links):.0f} GB/s together")
+    if "H200" in gpu_name:
+        nominal["H200 datasheet, per direction"] = H200_NVLINK_PER_DIRECTION_GB_S
+
+# %%
+if bw is not None:
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for coll in estimates.COLLECTIVES:
+        part = bandwidth.loc[coll]
+        ax.plot(part.index * MIB, part["busbw (GB/s)"], marker="o", label=coll.replace("_", "-"))
+    for (label, gb_s), style in zip(nominal.items(), ("--", ":")):
+        ax.axhline(gb_s, color="grey", linestyle=style, label=f"{label}: {gb_s:.0f} GB/s")
+    ax.set_xscale("log", base=2)
+    ticks = sorted(set(bw["size_bytes"]))
+    ax.set_xticks(ticks, [f"{t / MIB:g} MiB" if t >= MIB else f"{t // 1024} KiB" for t in ticks])
+    ax.set_xlabel("message size S")
+    ax.set_ylabel("bus bandwidth (GB/s, median)")
+    where = f"{n_dev} GPUs, NCCL" if prof.on_gpu else "2 CPU processes, gloo"
+    ax.set_title(f"{where}: bus bandwidth grows with the message size"
+                 + ("" if nominal else " (no nominal link bandwidth known)"))
+    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+
+# %% tags=["remove-input"]
+if prof.on_gpu and bw is not None:
+    big_mib, small_mib = bandwidth.index.get_level_values(1).max(), bandwidth.index.get_level_values(1).min()
+    big, small = bandwidth.xs(big_mib, level=1), bandwidth.xs(small_mib, level=1)
+    ar = big.loc["all_reduce", "busbw (GB/s)"]
+    text = (f"At {big_mib:,.0f} MiB, all-reduce reaches {ar:,.0f} GB/s of bus "
+            f"bandwidth (reduce-scatter {big.loc['reduce_scatter', 'busbw (GB/s)']:,.0f}, all-gather "
+            f"{big.loc['all_gather', 'busbw (GB/s)']:,.0f}, broadcast {big.loc['broadcast', 'busbw (GB/s)']:,.0f}); at "
+            f"{small_mib:g} MiB, {small.loc['all_reduce', 'busbw (GB/s)']:,.1f} GB/s, because a small message's time is mostly "
+            f"fixed cost (launch, synchronisation), not transfer.")
+    ref = nominal.get("H200 datasheet, per direction") or next(iter(nominal.values()), None)
+    if ref:
+        share = ar / ref
+        text += (f" That is {share:.0%} of the {ref:.0f} GB/s per direction the link is rated for: "
+                 + ("close to the link, as expected for large messages." if share >= 0.7 else
+                    "well below the link. Part of the gap is NCCL's own protocol overhead; with NVLink multicast "
+                    "(NVLS) off, as on this book's machines, NCCL cannot use the switch's in-network reduction."))
+    else:
+        text += " The link's nominal bandwidth is unknown here, so there is nothing to hold it against."
+    display(Markdown(text))
+else:
+    print("skipped on CPU: gloo's bandwidth between CPU processes says nothing about a GPU link"
+          if not prof.on_gpu else "skipped: no collectives measured on one GPU")
+
+# %% [markdown]
+# ### Each engine's bytes per step: formula and profiler
+#
+# `estimates.communication_table` lists the collectives of one training step per engine, with $S$ summed
+# over the step ($\Psi$ fp32 parameters and gradients; section 7.3): DDP all-reduces the gradients; ZeRO-1 as
+# PyTorch runs it adds a broadcast of the parameters; FSDP's ZeRO-2 all-gathers the parameters once and
+# reduce-scatters the gradients; ZeRO-3 all-gathers them twice. The 2-GPU run of section 7.4 recorded one step
+# per engine with the profiler on rank 0; `collectives.communication_from_trace` sums the communication
+# kernels it finds there, by collective, and `collectives.communication_overlap` splits their time into the
+# part that ran while a compute kernel ran on the same GPU (*hidden*) and the rest (*exposed*). An NCCL
+# kernel starts when its rank arrives and ends when all ranks are done, so *exposed* also counts waiting for
+# the other rank.
+
+# %%
+formula = estimates.communication_table(psi_run, 2)
+formula_mib = formula.groupby(["engine", "collective"], sort=False)["S (bytes)"].sum() / MIB
+traces = WORK / "traces"
+if prof.on_gpu and 2 in world_sizes:
+    rows, overlap = [], {}
+    for engine_name in estimates.STAGES:
+        path = traces / f"{engine_name}.json.gz"
+        measured = collectives.communication_from_trace(path)
+        kinds = sorted(set(measured.index) | set(formula_mib.loc[engine_name].index))
+        for kind in kinds:
+            got = measured.loc[kind] if kind in measured.index else None
+            rows.append({"engine": estimates.COMM_LABELS[engine_name], "collective": kind,
+                         "formula S (MiB)": formula_mib.get((engine_name, kind), 0.0),
+                         "profiler S (MiB)": got["S (MiB)"] if got is not None else 0.0,
+                         "calls": int(got["calls"]) if got is not None else 0,
+                         "kernel time (ms)": got["kernel time (ms)"] if got is not None else 0.0})
+        overlap[estimates.COMM_LABELS[engine_name]] = collectives.communication_overlap(path)
+    comm_bytes = pd.DataFrame(rows).set_index(["engine", "collective"])
+    assert (comm_bytes["calls"] > 0).any(), f"no NCCL kernels in the traces of {traces}: were they recorded on a GPU?"
+    display(comm_bytes)
+    overlap_table = pd.DataFrame(overlap).T
+    overlap_table = pd.DataFrame({
+        "communication (ms)": overlap_table["communication_s"] * 1e3,
+        "hidden (ms)": overlap_table["hidden_s"] * 1e3, "exposed (ms)": overlap_table["exposed_s"] * 1e3,
+        "hidden share": overlap_table["hidden_fraction"].map("{:.0%}".format),
+        "traced step, first to last kernel (ms)": overlap_table["span_s"] * 1e3,
+    })
+    display(overlap_table)
+else:
+    print("skipped on CPU: gloo runs collectives on CPU threads, so a trace has no communication kernels to count; "
+          "the formula for 2 ranks, in MiB per step:" if not prof.on_gpu else "skipped: no 2-GPU run to trace")
+    display(formula_mib.rename("formula S (MiB)").to_frame())
+
+# %% tags=["remove-input"]
+if prof.on_gpu and 2 in world_sizes:
+    per_engine = comm_bytes.groupby(level="engine", sort=False)[["formula S (MiB)", "profiler S (MiB)"]].sum()
+    ratio = per_engine["profiler S (MiB)"] / per_engine["formula S (MiB)"]
+    close = ratio.between(0.95, 1.05)
+    lines = [f"- {e}: {per_engine.loc[e, 'profiler S (MiB)']:,.0f} MiB measured against {per_engine.loc[e, 'formula S (MiB)']:,.0f} "
+             f"MiB by the formula ({ratio[e]:.2f} times); {overlap_table.loc[e, 'hidden share']} of its "
+             f"{overlap_table.loc[e, 'communication (ms)']:.1f} ms of communication kernels ran beside compute kernels."
+             for e in per_engine.index]
+    note = ("The profiler's bytes agree with the formula within 5% for every engine." if close.all() else
+            f"The profiler's bytes differ from the formula by more than 5% for {', '.join(ratio.index[~close])}: "
+            "the table above shows in which collective (for FSDP's ZeRO-3 the root unit stays gathered from forward "
+            "to backward, so it all-gathers less than the formula's second pass; DDP also broadcasts its buffers).")
+    if ratio.isna().any():
+        note = ("The trace carried no message sizes for some collectives (NaN above); their bytes could not be "
+                "compared. " + note)
+    display(Markdown("Per step and rank 0, summed over collectives:\n\n" + "\n".join(lines) + "\n\n" + note))
+else:
+    print("skipped on CPU: no communication kernels to hold against the formula" if not prof.on_gpu
+          else "skipped: no 2-GPU run to trace")
+
 # %%
 shutil.rmtree(WORK, ignore_errors=True)  # the launched processes' results, no longer needed
 
 # %% [markdown]
 # ## Summary
-#
-# Measured on the machine of the first output, per rank, for the {glue:text}`z_psi_b:.2f`B GPT-NeoX in fp32
-# with AdamW (model states counted tensor by tensor; peak from the allocator; formula with 4-byte parameters
-# and gradients and $K = 8$):
-#
-# | stage | 1 GPU: states | formula | peak | 2 GPUs: states | formula | peak | 4 GPUs: formula |
-# |---|---|---|---|---|---|---|---|
-# | DDP | {glue:text}`z_ddp_n1_states_gib:.1f` | {glue:text}`z_ddp_n1_formula_gib:.1f` | {glue:text}`z_ddp_n1_peak_gib:.1f` | {glue:text}`z_ddp_n2_states_gib:.1f` | {glue:text}`z_ddp_n2_formula_gib:.1f` | {glue:text}`z_ddp_n2_peak_gib:.1f` | {glue:text}`z_ddp_n4_formula_gib:.1f` |
-# | ZeRO-1 | {glue:text}`z_zero1_n1_states_gib:.1f` | {glue:text}`z_zero1_n1_formula_gib:.1f` | {glue:text}`z_zero1_n1_peak_gib:.1f` | {glue:text}`z_zero1_n2_states_gib:.1f` | {glue:text}`z_zero1_n2_formula_gib:.1f` | {glue:text}`z_zero1_n2_peak_gib:.1f` | {glue:text}`z_zero1_n4_formula_gib:.1f` |
-# | ZeRO-2 (FSDP, kept) | {glue:text}`z_zero2_n1_states_gib:.1f` | {glue:text}`z_zero2_n1_formula_gib:.1f` | {glue:text}`z_zero2_n1_peak_gib:.1f` | {glue:text}`z_zero2_n2_states_gib:.1f` | {glue:text}`z_zero2_n2_formula_gib:.1f` | {glue:text}`z_zero2_n2_peak_gib:.1f` | {glue:text}`z_zero2_n4_formula_gib:.1f` |
-# | ZeRO-3 (FSDP) | {glue:text}`z_zero3_n1_states_gib:.1f` | {glue:text}`z_zero3_n1_formula_gib:.1f` | {glue:text}`z_zero3_n1_peak_gib:.1f` | {glue:text}`z_zero3_n2_states_gib:.1f` | {glue:text}`z_zero3_n2_formula_gib:.1f` | {glue:text}`z_zero3_n2_peak_gib:.1f` | {glue:text}`z_zero3_n4_formula_gib:.1f` |
-#
-# All in GiB; "states" includes the parameters gathered between forward and backward.
-#
+
+# %% tags=["remove-input"]
+states_col, summary = f"model states ({unit_name})", {}
+for stage in estimates.STAGES:
+    row = {}
+    for ws in (1, 2, 4):
+        who = f"{ws} GPU{'s' if ws > 1 else ''}" if prof.on_gpu else f"{ws} process{'es' if ws > 1 else ''}"
+        if ws in world_sizes:
+            row[f"{who}: states"] = table.loc[(ws, stage), states_col]
+        row[f"{who}: formula"] = estimates.zero_model_state_bytes(psi_run, ws, stage, **recipe)["total"] / unit
+        if ws in world_sizes and prof.on_gpu:
+            row[f"{who}: peak"] = table.loc[(ws, stage), "peak allocated (GiB)"]
+    summary[estimates.STAGE_LABELS[stage]] = row
+display(Markdown(
+    f"Measured on the machine of the first output, per rank, for the "
+    f"{f'{psi_run / 1e9:.2f}B' if psi_run >= 1e9 else f'{psi_run / 1e6:.1f}M'}-parameter GPT-NeoX in fp32 with AdamW (model "
+    f"states counted tensor by tensor{'; peak from the allocator' if prof.on_gpu else ''}; formula with 4-byte "
+    f"parameters and gradients and $K = 8$), all in {unit_name}; *states* includes the parameters gathered between "
+    f"forward and backward:"))
+pd.DataFrame(summary).T
+
+# %% [markdown]
 # - Data parallelism averages gradients with an all-reduce; the result equals one process's gradient on the
 #   whole batch (checked, by hand and with DDP). A ring all-reduce sends $2(N-1)/N$ of the gradient bytes per
 #   rank; PyTorch's ZeRO-1 adds a broadcast of the parameters (about 1.5 times DDP's traffic), FSDP's ZeRO-2
@@ -711,6 +968,9 @@ shutil.rmtree(WORK, ignore_errors=True)  # the launched processes' results, no l
 # - ZeRO removes data parallelism's copies in three stages; its formula predicts what PyTorch's engines hold
 #   per rank, except where FSDP keeps shards and gathered parameters side by side.
 # - `accelerate launch` with an FSDP config gives the same shards with an unchanged script.
+# - The collectives' bus bandwidth grows with the message size towards the link's per-direction bandwidth;
+#   a profiler trace of one rank shows each engine's bytes per step (against the formula) and how much of its
+#   communication ran beside computation.
 #
 # ## Use it in your own script
 #
@@ -808,5 +1068,7 @@ shutil.rmtree(WORK, ignore_errors=True)  # the launched processes' results, no l
 # - [Zhao et al. (2023)](../book/references.md): PyTorch FSDP.
 # - [Huang et al. (2019)](../book/references.md) and [Narayanan et al. (2021)](../book/references.md): pipeline schedules and their bubble.
 # - [Heo (2024)](../book/references.md), chapter 5: data, pipeline and tensor parallelism and ZeRO, in pictures.
+# - [NVIDIA (2024)](../book/references.md), nccl-tests' doc/PERFORMANCE.md: algorithm and bus bandwidth.
+# - [NVIDIA (2024)](../book/references.md), H200 datasheet: NVLink bandwidth, 900 GB/s in both directions together.
 # - Hugging Face accelerate documentation: the `accelerate launch` options and the config file's keys
 #   (`mixed_precision`, `fsdp_config`).

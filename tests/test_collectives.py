@@ -69,6 +69,63 @@ def test_communication_from_trace_parses_nccl_kernels(tmp_path):
     assert collectives.communication_from_trace(empty).empty
 
 
+def write_trace(path, events):
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path
+
+
+def test_communication_from_trace_takes_sizes_from_cpu_records_when_kernels_have_none(tmp_path):
+    kernel = {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(x)", "ts": 0,
+              "dur": 100.0, "args": {"device": 0, "stream": 20}}
+    record = {"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "ts": 0, "dur": 1.0,
+              "args": {"Collective name": "_reduce_scatter_base", "In msg nelems": 2**20, "Out msg nelems": 2**19,
+                       "Group size": 2, "dtype": "Float"}}
+    table = collectives.communication_from_trace(write_trace(tmp_path / "t.json", [kernel, kernel, record, record]))
+    assert table.loc["reduce_scatter", "calls"] == 2 and table.loc["reduce_scatter", "S (MiB)"] == 8
+    bare = collectives.communication_from_trace(write_trace(tmp_path / "bare.json", [kernel]))
+    assert bare.loc["reduce_scatter", "calls"] == 1 and math.isnan(bare.loc["reduce_scatter", "S (MiB)"])
+
+
+def test_communication_overlap_splits_hidden_and_exposed(tmp_path):
+    def k(name, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {}}
+    events = [
+        k("ncclDevKernel_AllReduce_Sum_f32_RING_LL(x)", 0, 100),  # 0-100 us
+        k("ncclDevKernel_AllReduce_Sum_f32_RING_LL(x)", 50, 100),  # 50-150: union 0-150
+        k("nvjet_hsh_128x256_gemm", 20, 40),  # 20-60 hidden
+        k("vectorized_elementwise_kernel", 40, 40),  # 40-80: union with the GEMM 20-80
+        k("vectorized_elementwise_kernel", 300, 50),  # 300-350: compute only
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 100, "dur": 50, "args": {}},  # not compute
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 400, "args": {}},  # not a kernel
+    ]
+    got = collectives.communication_overlap(write_trace(tmp_path / "t.json", events))
+    assert got["communication_s"] == pytest.approx(150e-6)
+    assert got["hidden_s"] == pytest.approx(60e-6) and got["exposed_s"] == pytest.approx(90e-6)
+    assert got["compute_s"] == pytest.approx(110e-6) and got["span_s"] == pytest.approx(350e-6)
+    assert got["hidden_fraction"] == pytest.approx(0.4)
+    none = collectives.communication_overlap(write_trace(tmp_path / "n.json", events[2:]))
+    assert none["communication_s"] == 0 and math.isnan(none["hidden_fraction"])
+
+
+def test_parse_nvlink_status():
+    text = """GPU 0: NVIDIA H200 (UUID: GPU-aaaa)
+\t Link 0: 26.562 GB/s
+\t Link 1: 26.562 GB/s
+\t Link 2: <inactive>
+GPU 1: NVIDIA H200 (UUID: GPU-bbbb)
+\t Link 0: 26.562 GB/s
+GPU 2: Tesla T4 (UUID: GPU-cccc)
+"""
+    got = collectives.parse_nvlink_status(text)
+    assert got == {0: [26.562, 26.562], 1: [26.562], 2: []}
+    assert collectives.parse_nvlink_status("NVML: Unable to find NVLink") == {}
+
+
+def test_nvlink_status_without_nvidia_smi(monkeypatch):
+    monkeypatch.setattr(collectives.shutil, "which", lambda name: None)
+    assert collectives.nvlink_status() is None
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="torchrun needs a POSIX system here")
 def test_benchmark_on_two_gloo_processes(tmp_path):
     """The launched script, for real: 2 CPU processes, gloo, small sizes (a few seconds)."""

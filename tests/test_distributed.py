@@ -50,7 +50,8 @@ def chapter_runs(tmp_path_factory):
             dist.destroy_process_group = lambda *args, **kwargs: None  # and leave it when the launch ends
             sys.argv = ["ddp_grads.py", "--out", OUT + "/grads"]
             launching.load_script(SCRIPTS + "/ddp_grads.py").main()
-            sys.argv = ["train_zero.py", "--out", OUT + "/zero", "--warmup", "0", "--steps", "1"]
+            sys.argv = ["train_zero.py", "--out", OUT + "/zero", "--warmup", "0", "--steps", "1",
+                        "--layers", "1", "--trace", OUT + "/traces"]
             zero = launching.load_script(SCRIPTS + "/train_zero.py")
             zero.main()
 
@@ -102,6 +103,24 @@ def test_train_zero_shards_what_each_stage_promises(chapter_runs):
         assert sums.loc[stage, "grads_mib"] == pytest.approx(full)
     assert maxima.loc["zero2", "gathered_params_mib"] == pytest.approx(full)  # kept from forward
     assert maxima.loc["zero3", "gathered_params_mib"] == 0
+
+
+def test_train_zero_layers_step_times_and_a_trace_per_strategy(chapter_runs):
+    from helpers import collectives, models
+
+    folder, message = chapter_runs
+    assert (folder / "zero" / "rank1.json").exists(), message
+    df = launching.read_results(folder / "zero")
+    one_layer = models.n_params(models.build("polyglot-ko-1.3b", profile="tiny", head="causal-lm", device="meta",
+                                             num_hidden_layers=1))
+    assert (df["n_params"] == one_layer).all() and (df["layers"] == 1).all()
+    assert all(len(t) == 1 and t[0] > 0 for t in df["step_times_s"])  # --steps 1: one timed step each
+    assert all(len(losses) == 1 for losses in df["losses"])  # the traced step is not among the losses
+    traces = sorted(p.name for p in (folder / "traces").iterdir())
+    assert traces == [f"{s}.json.gz" for s in ("ddp", "zero1", "zero2", "zero3")]  # rank 0 only, one each
+    for name in traces:  # gloo on CPUs: no communication kernels, and the readers say so
+        assert collectives.communication_from_trace(folder / "traces" / name).empty
+        assert collectives.communication_overlap(folder / "traces" / name)["communication_s"] == 0
 
 
 def test_out_of_memory_on_one_rank_of_train_zero_ends_every_rank(chapter_runs):

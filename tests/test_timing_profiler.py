@@ -339,3 +339,12 @@ def test_time_it_back_to_back_loop_on_cpu():
     assert len(calls) == 1 + 10 + 10 * 3
     assert len(t.loop_s) == 10 and 0.002 <= t.loop.median < 0.05
     assert "back to back, per call (ms)" in t.summary()
+
+
+def test_difference_of_two_spreads():
+    base = timing.Spread.of((1.0, 1.01, 0.99, 1.0, 1.02))
+    assert timing.difference(base, timing.Spread.of((0.5, 0.51, 0.49, 0.5))) == "faster"
+    assert timing.difference(base, timing.Spread.of((2.0, 2.1, 1.9, 2.0))) == "slower"
+    assert timing.difference(base, timing.Spread.of((1.005, 1.0, 1.01, 1.0))) == "within the noise"
+    wide = timing.Spread.of((0.5, 1.5, 1.0, 0.6, 1.4))  # median 1.0 +- a wide IQR
+    assert timing.difference(wide, timing.Spread.of((1.2, 1.21, 1.19))) == "within the noise"

@@ -10,7 +10,12 @@ For each strategy every rank builds the same model (seeded), hands it to PyTorch
 ``--warmup`` + ``--steps`` steps on its own random batches, and records: the bytes of parameters,
 gradients and optimizer states it holds after the optimizer step (local shards only), the bytes of
 parameters gathered for compute after the forward pass, its peak allocated memory (CUDA only) and
-its median step time. Each rank writes ``<out>/rank<r>.json``, one record per strategy.
+every timed step's time. Each rank writes ``<out>/rank<r>.json``, one record per strategy.
+
+``--layers N`` builds the model with N transformer blocks instead of its own number (chapter 7 uses it
+to fit one smaller GPU). ``--trace DIR``: after the timed steps every rank trains one more step, and
+rank 0 records it with ``torch.profiler`` into ``DIR/<strategy>.json.gz`` (a gzipped Chrome trace; the
+step is not timed and its loss is not recorded).
 """
 
 from __future__ import annotations
@@ -69,13 +74,15 @@ def wrap(strategy: str, model: nn.Module, device: torch.device, lr: float):
 def train(strategy: str, args: argparse.Namespace, device: torch.device) -> tuple[dict, weakref.ref]:
     """Train ``args.warmup + args.steps`` steps under ``strategy``; return this rank's record."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = models.build(args.model, profile=args.profile, head="causal-lm", device=device, seed=0)
+    overrides = {"num_hidden_layers": args.layers} if args.layers else {}
+    model = models.build(args.model, profile=args.profile, head="causal-lm", device=device, seed=0, **overrides)
     record = {"n_params": models.n_params(model)}
     alive = weakref.ref(model)  # to check that the model is freed afterwards
     model, optimizer, backward = wrap(strategy, model, device, args.lr)
     model.train()
     steps = args.warmup + args.steps
-    batches = data.dummy_dataset(args.batch * steps, args.seq, task="causal-lm", seed=1000 + rank)
+    traced = 1 if args.trace else 0
+    batches = data.dummy_dataset(args.batch * (steps + traced), args.seq, task="causal-lm", seed=1000 + rank)
     rec = measure.PhaseRecorder(device)
     losses, gathered, held = [], 0, {}
     for step in range(steps):
@@ -91,6 +98,10 @@ def train(strategy: str, args: argparse.Namespace, device: torch.device) -> tupl
         gathered -= accounting.unsharded_param_bytes(model)  # minus those held at rest as well
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
+    if traced:
+        batch = {k: v.to(device) for k, v in batches[steps * args.batch:(steps + 1) * args.batch].items()}
+        trace_step(lambda: _one_step(model, optimizer, backward, batch, device, args.bf16),
+                   Path(args.trace) / f"{strategy}.json.gz", device, record=rank == 0)
     phases = rec.to_frame()
     timed = phases.iloc[3 * args.warmup:]
     step_times = timed["time_s"].to_numpy().reshape(args.steps, 3).sum(axis=1)
@@ -100,9 +111,39 @@ def train(strategy: str, args: argparse.Namespace, device: torch.device) -> tupl
         "params_mib": held["weights"] / MIB, "grads_mib": held["gradients"] / MIB,
         "optimizer_states_mib": held["optimizer_states"] / MIB, "gathered_params_mib": gathered / MIB,
         "peak_allocated_mib": float(timed["peak_allocated_mib"].max()),
-        "step_time_s": statistics.median(step_times), "losses": losses,
+        "step_time_s": statistics.median(step_times), "step_times_s": [float(t) for t in step_times],
+        "losses": losses,
     }
     return record, alive
+
+
+def _one_step(model: nn.Module, optimizer, backward, batch: dict, device: torch.device, bf16: bool) -> None:
+    """One training step (forward, backward, optimizer step, zero_grad), as in ``train``'s loop."""
+    with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
+        loss = model(**batch).loss
+    backward(loss)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def trace_step(step, path: Path, device: torch.device, *, record: bool) -> None:
+    """Run ``step()`` once; if ``record``, under ``torch.profiler`` (CPU, and CUDA on a GPU), saved to ``path``.
+
+    Every rank must call it (the step's collectives need all of them); only the recording rank pays
+    for the profiler. The trace is written gzipped (``path`` ends in ``.gz``).
+    """
+    if not record:
+        step()
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
 
 
 def run_strategy(strategy: str, args: argparse.Namespace, device: torch.device) -> dict:
@@ -122,7 +163,8 @@ def run_strategy(strategy: str, args: argparse.Namespace, device: torch.device) 
     record["allocated_after_mib"] = torch.cuda.memory_allocated(device) / MIB if cuda else float("nan")
     record["model_freed"] = alive() is None
     record |= {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "backend": dist.get_backend(),
-               "bf16_autocast": args.bf16, "batch_per_rank": args.batch, "seq_len": args.seq}
+               "bf16_autocast": args.bf16, "batch_per_rank": args.batch, "seq_len": args.seq,
+        "layers": args.layers}
     dist.barrier()
     return record
 
@@ -137,6 +179,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=32, help="tokens per sequence")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--steps", type=int, default=2, help="timed steps")
+    parser.add_argument("--layers", type=int, default=0, help="transformer blocks (0: the model's own number)")
+    parser.add_argument("--trace", default="", help="folder for one profiled step per strategy (rank 0)")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 weights and states)")
     return parser.parse_args(argv)
