@@ -1374,6 +1374,12 @@ if load_timed:
                 f"more than the CPU cores free of other work.")
     display(Markdown(" ".join(text)))
 
+# %% [markdown]
+# *On the sentence above.* Where it explains a difference between the pinned and the unpinned loader by the
+# host's run-to-run variation, that is an inference, not a measurement: the copy is too small to explain it,
+# and nothing in this run isolates the cause. The committed run executed this chapter on one GPU while
+# another chapter ran on the machine's second GPU, sharing the host's CPU cores with the loader's workers.
+
 # %%
 cleanup.free(globals(), "tok_ds", "probe_ds")
 
@@ -1485,10 +1491,10 @@ else:
 
 # %% [markdown]
 # *Reading the table above.* The `zero_grad(set_to_none=False)` row times the opposite of the recommended
-# setting against the default: a speed-up above 1 there would mean that writing zeros was faster. In this run
-# the difference is within the noise, so the measurement supports neither setting on speed. The optimizer rows
-# ran on a step whose GPU was busy for half of it or less (the GPU-busy column), so they measure mostly the
-# host's launch overhead, which is where the fused AdamW's fewer kernel launches help.
+# setting against the default: a speed-up above 1 there would mean that writing zeros was faster, and a verdict
+# "within the noise" supports neither setting on speed. Read the GPU-busy column before the optimizer rows: where
+# the GPU is busy for half of the step or less, they measure mostly the host's launch overhead, which is where
+# the fused AdamW's fewer kernel launches can help, and also where the host's run-to-run variation is largest.
 
 # %% [markdown]
 # ## 9.7 Summary: the fast path
@@ -1532,9 +1538,10 @@ else:
 # 1. **Measure first** (chapter 8): median and IQR of ≥ 10 steps, GPU-busy fraction, category table.
 # 2. **GPU idle between steps?** Look at the input pipeline: `num_workers` > 0, `pin_memory=True` with
 #    `non_blocking=True`, persistent workers (section 9.5).
-# 3. **Fused attention**: `attn_implementation="sdpa"` (the default in transformers) and no mask you do
-#    not need; check which backend runs on your GPU and dtype (section 9.1). On long sequences this is
-#    also the largest memory saving.
+# 3. **Fused attention**: `attn_implementation="sdpa"` (the default in transformers); check which backend
+#    runs on your GPU and dtype (section 9.1), and check it again after compiling or capturing the model:
+#    whether a mask is passed can decide between a fused kernel and the math path there (sections 9.3 and
+#    9.4 read the kernel names). On long sequences this is also the largest memory saving.
 # 4. **Stop computing padding**: length grouping, or packing with restarting position ids (section 9.2).
 # 5. **Free wins**: fused AdamW, bf16 autocast (TF32 for any fp32 products), shapes in multiples of 64
 #    (section 9.6); keep those that measure faster.

@@ -62,7 +62,10 @@ def output_text(cell: dict) -> str:
         if out.get("output_type") == "stream" and out.get("name") == "stdout":
             text = out.get("text", "")
         elif out.get("output_type") in ("execute_result", "display_data"):
-            text = out.get("data", {}).get("text/plain", "")
+            data = out.get("data", {})
+            if any(k.startswith("image/") for k in data):
+                continue  # a figure: its text/plain is only its repr ("<Figure size ...>"); images are not compared
+            text = data.get("text/plain", "")
         elif out.get("output_type") == "error":
             text = f"{out.get('ename')}: {out.get('evalue')}"
         else:

@@ -96,3 +96,11 @@ def test_the_config_names_existing_chapters_and_cells_with_reasons():
     for name, cells in config.items():
         n_code = len(gpu_check.code_cells(gpu_check.json.loads((ROOT / "notebooks" / name).read_text())))
         assert all(1 < int(i) <= n_code and reason.strip() for i, reason in cells.items()), name
+
+
+def test_a_figure_is_not_compared_even_through_its_text_repr():
+    table = {"output_type": "stream", "name": "stdout", "text": "peak 1,024.00 MiB\n"}
+    figure = {"output_type": "display_data", "data": {"image/png": "iVBOR", "text/plain": "<Figure size 700x400 with 2 Axes>"}}
+    with_fig = {"cell_type": "code", "outputs": [table, figure]}
+    without = {"cell_type": "code", "outputs": [table]}
+    assert gpu_check.output_text(with_fig) == gpu_check.output_text(without) == "peak 1,024.00 MiB\n"
