@@ -8,7 +8,7 @@ For each chapter in notebooks/chapters.json: the GPU, NVIDIA driver, CUDA, torch
 from the chapter's first code cell (the environment report), the date of the run (the first cell's
 timestamp), its run time, the GPUs it needs, and whether it carries an execution stamp. The run time
 is the one notebooks/execution_times.json records for that run (written by scripts/execute_notebooks.py)
-when there is one; otherwise it is measured from the notebook's cell timestamps (first cell's start
+when there is one, with the record's note, if any (e.g. that the machine was shared with another run); otherwise it is measured from the notebook's cell timestamps (first cell's start
 to the last cell's end, kernel start excluded). Standard library only; the output depends only on the
 committed files, so a test can compare it with the committed page.
 """
@@ -79,6 +79,7 @@ def chapter_facts(path: Path, times: dict) -> dict:
     return {"file": path.name, "title": heading, **report,
             "date": min(stamps).strftime("%Y-%m-%d %H:%M") if stamps else "unknown",
             "wall_s": wall_s, "source": source,
+            "note": recorded.get("note") if source == "recorded" else None,
             "stamp": f"commit {stamp.get('commit', '?')[:10]}" if stamp else "not stamped"}
 
 
@@ -100,6 +101,9 @@ def render(notebooks: Path = NOTEBOOKS) -> str:
                      f"| {r.get('CUDA', 'unknown')} | {r.get('torch', 'unknown')} | {r.get('transformers', 'unknown')} "
                      f"| {r['date']} | {run_time} | {r['stamp']} "
                      f"| {cpu} |")
+    notes = [f"- {r['title'].split(':')[0]}: {r['note']}." for r in rows if r.get("note")]
+    if notes:
+        lines += ["", "How a run was made, where its record says more than the table:", "", *notes]
     note = ("as recorded by the execution script (\"recorded\") or, where no time was recorded for that run, "
             "measured from the notebook's cell timestamps (\"cells\": first cell's start to the last cell's end, "
             "kernel start excluded)")

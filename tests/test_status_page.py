@@ -52,3 +52,15 @@ def test_the_recorded_wall_time_of_the_stamped_run_is_preferred(tmp_path):
     times["chapters"]["09_a"]["date"] = "2026-12-01T00:00:00Z"  # a later run written elsewhere: not this one's
     (tmp_path / "execution_times.json").write_text(json.dumps(times))
     assert "| 1.5 min (cells) |" in status_page.render(tmp_path)
+
+
+def test_a_recorded_note_about_the_run_is_shown_only_for_that_run(tmp_path):
+    stamp = {"commit": "0123456789abcdef", "date": "2026-11-23T15:02:00Z", "wall_s": 120.0}
+    chapter(tmp_path, stamp)
+    times = {"chapters": {"09_a": {"wall_s": 120.0, "date": "2026-11-23T15:02:00Z",
+                                   "note": "executed while another chapter ran on the second GPU"}}}
+    (tmp_path / "execution_times.json").write_text(json.dumps(times))
+    assert "- 9. A chapter: executed while another chapter ran on the second GPU." in status_page.render(tmp_path)
+    times["chapters"]["09_a"]["date"] = "2026-12-01T00:00:00Z"  # the note belongs to another run
+    (tmp_path / "execution_times.json").write_text(json.dumps(times))
+    assert "another chapter" not in status_page.render(tmp_path)
