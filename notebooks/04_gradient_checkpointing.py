@@ -94,6 +94,7 @@ if profiles.cuda_or_skip("emulating a T4 needs a GPU"):
         torch.ones(256, 256, device="cuda", dtype=dtype) @ torch.ones(256, 256, device="cuda", dtype=dtype)
     budget = measure.t4_budget(nvml_before)
     t4_budget_gib = budget.budget_gib
+    torch._C._cuda_clearCublasWorkspaces()  # the end of the chapter clears them too, so both ends exclude them
     chapter_baseline_mib = torch.cuda.memory_allocated() / MIB
     glue("t4_budget_gib", t4_budget_gib)
     print(f"emulated T4: {budget.describe()}")
@@ -1066,6 +1067,14 @@ text += {"slower": f"measured, it also costs more time: {st.loc['recompute MLP',
                              f"({st.loc['recompute MLP', 'time vs store everything']:.2f} and "
                              f"{st.loc['recompute attention', 'time vs store everything']:.2f} times storing "
                              f"everything). "}[cmp_halves["difference"]]
+if prof.on_gpu:  # the wall time of a host-bound pass follows launches; the kernels' own time follows the work
+    t_attn, t_mlp = stack_timed["recompute attention"], stack_timed["recompute MLP"]
+    text += (f"The GPU's own time separates work from launches: the kernels of a pass take "
+             f"{t_attn.kernel_s * 1e3:.1f} ms with attention recomputed ({t_attn.kernels_per_call} GPU operations) and "
+             f"{t_mlp.kernel_s * 1e3:.1f} ms with the MLP recomputed ({t_mlp.kernels_per_call}), while the GPU is busy "
+             f"{t_attn.gpu_busy:.0%} and {t_mlp.gpu_busy:.0%} of the wall time"
+             + (", so the wall time of this pass is the host's launching, not the recomputed FLOPs. "
+                if max(t_attn.gpu_busy, t_mlp.gpu_busy) < timing.HOST_BOUND_BUSY else ". "))
 block = st.loc["recompute whole block"]
 text += (f"Recomputing whole blocks keeps {kept['recompute whole block']:,.0f} MiB, one input per block, and takes "
          f"{block['time vs store everything']:.2f} times as long as storing everything "
@@ -1102,22 +1111,37 @@ else:
 display(Markdown(text))
 
 # %% [markdown]
-# Transformers can combine the two ideas: in releases that accept `activation_checkpointing_enable(offload=True)`,
-# each layer is checkpointed and its input, the only tensor it keeps, goes to pinned host memory. The cell below
-# asks the installed version and, where it can, measures it on bert-large against plain checkpointing.
+# Transformers can combine the two ideas: in releases whose checkpointing switch takes `offload=True`
+# (`gradient_checkpointing_enable`, or its newer name `activation_checkpointing_enable`), each layer is
+# checkpointed and its input, the only tensor it keeps, goes to pinned host memory. The cell below tries the
+# installed version's switch with `offload=True` and, where it is accepted, measures it on bert-large against
+# plain checkpointing.
 
 # %%
-import inspect
+def offload_switch(model):
+    """The model's checkpointing switch if it accepts ``offload=True`` (tried, not guessed), else None."""
+    for method in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
+        enable = getattr(model, method, None)
+        if enable is None:
+            continue
+        try:
+            enable({"use_reentrant": False}, offload=True)
+        except TypeError:  # this release's switch has no offload argument
+            continue
+        set_checkpointing(model, False)
+        return enable
+    return None
 
-offload_api = RENAMED and "offload" in inspect.signature(
-    transformers.PreTrainedModel.activation_checkpointing_enable).parameters
-offload_rows, offload_timed = {}, {}
-if offload_api and prof.on_gpu:
+
+offload_rows, offload_timed, offload_api = {}, {}, None
+if prof.on_gpu:
     name = "bert-large-uncased"
     model, optimizer = build(name)
     batch = make_batch(name, 8)
-    for label, kwargs in (("checkpointing", {}), ("checkpointing + offload", {"offload": True})):
-        model.activation_checkpointing_enable({"use_reentrant": False}, **kwargs)
+    enable = offload_switch(model)
+    offload_api = enable.__name__ if enable is not None else None
+    for label, kwargs in (("checkpointing", {}), ("checkpointing + offload", {"offload": True})) if enable else ():
+        enable({"use_reentrant": False}, **kwargs)
         train_step(model, optimizer, batch)  # warm-up (AdamW's states on first use)
         measure.reset_peak(prof.device)
         offload_timed[label] = timing.time_it(lambda m=model, o=optimizer, b=batch: train_step(m, o, b),
@@ -1125,21 +1149,21 @@ if offload_api and prof.on_gpu:
         offload_rows[label] = {"step time (s)": offload_timed[label].median_s,
                                "IQR (ms)": offload_timed[label].wall.iqr * 1e3,
                                "peak allocated (GiB)": torch.cuda.max_memory_allocated() / GIB}
-        model.activation_checkpointing_disable()
-    freed = cleanup.free(globals(), "model", "optimizer", "batch")
+        set_checkpointing(model, False)
+    freed = cleanup.free(globals(), "model", "optimizer", "batch", "enable")
 pd.DataFrame(offload_rows).T if offload_rows else None
 
 # %% tags=["remove-input"]
-if not offload_api:
-    display(Markdown(f"The installed transformers {transformers.__version__} has no "
-                     f"`activation_checkpointing_enable(offload=...)`: skipped."))
-elif not prof.on_gpu:
+if not prof.on_gpu:
     print("skipped on CPU: offloading moves activations off a GPU")
+elif not offload_api:
+    display(Markdown(f"The installed transformers {transformers.__version__} takes no `offload=True` in "
+                     f"`gradient_checkpointing_enable` or `activation_checkpointing_enable`: skipped."))
 else:
     a, b = offload_rows["checkpointing"], offload_rows["checkpointing + offload"]
     cmp_off = timing.compare(offload_timed, "checkpointing")["checkpointing + offload"]
     display(Markdown(
-        f"With transformers {transformers.__version__}, bert-large at batch 8: offloading the checkpoints moved the peak "
+        f"With transformers {transformers.__version__} (`{offload_api}(offload=True)`), bert-large at batch 8: offloading the checkpoints moved the peak "
         f"from {a['peak allocated (GiB)']:.2f} to {b['peak allocated (GiB)']:.2f} GiB and the step from "
         f"{a['step time (s)'] * 1e3:.0f} to {b['step time (s)'] * 1e3:.0f} ms ({cmp_off['difference']}). "
         + ("With checkpointing, the layers' inputs are all that is left to offload, a small share of this step's peak; "

@@ -129,8 +129,19 @@ if cap is not None:
 else:
     print("CPU run: the models are tiny and autocast is off")
 
-# %% [markdown]
-# ## 9.1 Attention kernels
+LM = "polyglot-ko-1.3b"  # sections 9.2 and 9.3 train it; a GPU too small for its states gets fewer of its layers
+lm_layers = models.config(LM).num_hidden_layers
+if prof.on_gpu:
+    lm_meta = models.build(LM, head="causal-lm", device="meta")  # the structure only, to count parameters
+    n_all, n_layer = models.n_params(lm_meta), models.n_params(lm_meta.gpt_neox.layers[0])
+    per_param = sum(estimates.model_state_bytes(1, "fp32_adamw").values())  # weights, gradients, AdamW's moments
+    room = 0.6 * torch.cuda.get_device_properties(0).total_memory  # the rest for activations and the allocator
+    if per_param * n_all > room:
+        lm_layers = max(1, int((room / per_param - (n_all - lm_layers * n_layer)) // n_layer))
+        print(f"{LM}'s fp32 training states ({per_param * n_all / 1e9:.1f} GB) do not fit 60% of this GPU's memory: "
+              f"sections 9.2 and 9.3 train the same architecture with {lm_layers} of its "
+              f"{models.config(LM).num_hidden_layers} layers")
+    del lm_meta
 #
 # Attention computes `softmax(Q Kᵀ / √d) V` for every head. Written out in PyTorch, it materialises the
 # score matrix `Q Kᵀ`, of size *s* × *s* per head and sequence, and keeps it (or the softmax of it) for the
@@ -570,7 +581,7 @@ def time_batching(model, batches):
     return t, peak
 
 
-lm = models.build("polyglot-ko-1.3b", head="causal-lm").train()
+lm = models.build(LM, head="causal-lm", num_hidden_layers=lm_layers).train()
 pack_timed, pack_rows_ = {}, {}
 for label, batches in batchings.items():
     t, peak = time_batching(lm, batches)
@@ -664,7 +675,8 @@ SETUPS = {
 
 def build(name, **optimizer_kwargs):
     """Model ``name`` (fp32 weights, seeded) and an AdamW for it."""
-    model = models.build(name, head=SETUPS[name]["head"], dtype=torch.float32).train()
+    model = models.build(name, head=SETUPS[name]["head"], dtype=torch.float32,
+                         **({"num_hidden_layers": lm_layers} if name == LM else {})).train()
     model.config.use_cache = False  # a training step needs no key-value cache (and a cache breaks regional compile)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-5, **optimizer_kwargs)
 
