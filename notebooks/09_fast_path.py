@@ -21,7 +21,7 @@
 # on others, and some cost something (compile time, memory, recompilations). This chapter measures every
 # switch on the book's two models with chapter 8's instruments, before and after, in the same run, and
 # reports the speed-up *with its spread*: a difference smaller than the noise is called so. Where a
-# switch made a step slower, the chapter says so and shows the profiler's evidence for why.
+# switch made a step slower, the chapter says so and shows what the profiler recorded for both.
 #
 # **What you will learn**
 #
@@ -32,7 +32,8 @@
 #   *packing* (several documents per row, with position ids that keep them apart) recover it, checked for
 #   correctness;
 # - what `torch.compile` costs (compile time, recompilations when shapes change) and buys on bert-large
-#   and on the 1.3B GPT-NeoX, in its `default` and `reduce-overhead` modes, compiled per layer, and what
+#   and on the 1.3B GPT-NeoX, in its `default` and `reduce-overhead` modes, compiled per layer (the optimizer
+#   step stays eager), and what
 #   compiling or capturing a whole model can do to the attention kernel;
 # - how a CUDA graph removes the launch overhead of a host-bound step, and which attention kernel runs
 #   inside one;
@@ -65,6 +66,7 @@ import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
+import transformers
 from IPython.display import Markdown, display
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import record_function
@@ -142,6 +144,12 @@ if prof.on_gpu:
               f"sections 9.2 and 9.3 train the same architecture with {lm_layers} of its "
               f"{models.config(LM).num_hidden_layers} layers")
     del lm_meta
+full_layers = models.config(LM).num_hidden_layers
+LM_NAME = LM if lm_layers == full_layers else f"{LM} ({lm_layers} of {full_layers} layers)"  # tables' model column
+LM_SHORT = "1.3B GPT-NeoX" if lm_layers == full_layers else f"GPT-NeoX ({lm_layers} of the 1.3B model's layers)"
+
+# %% [markdown]
+# ## 9.1 Attention kernels
 #
 # Attention computes `softmax(Q Kᵀ / √d) V` for every head. Written out in PyTorch, it materialises the
 # score matrix `Q Kᵀ`, of size *s* × *s* per head and sequence, and keeps it (or the softmax of it) for the
@@ -240,7 +248,7 @@ capability_table
 # **Time and memory against sequence length.** The sweep below keeps the tokens per batch fixed (batch ×
 # sequence length constant), as a training run with a token budget per step does, and uses the 1.3B
 # model's attention shape: 16 heads of dimension 128, causal (the tiny profile: 4 heads of 32). For each backend and length it times a forward
-# and backward pass (`time_it`, 10 repeats), records the peak allocated memory above the inputs, and counts
+# and backward pass (`time_it`, 10 repeats on a GPU), records the peak allocated memory above the inputs, and counts
 # the bytes autograd saves for backward (chapter 1's `SavedTensorMeter`). A backend that cannot run is a
 # "not available" row; one that runs out of memory is marked, not dropped.
 
@@ -365,10 +373,12 @@ if prof.on_gpu and len(ok_rows):
                        f"advantage grows with the length." if grows else
                        "; the advantage did not grow with the length in this run."))
     if "eager" in at_max.index and fused:
-        mem_e, mem_f = at_max.loc["eager", mem_col], at_max.loc[fused[0], mem_col]
+        mem_e = at_max.loc["eager", mem_col]
         term = formula[SEQ_LENS.index(s_max)] / MIB
+        fused_mem = [at_max.loc[f, mem_col] for f in fused]
         text.append(f"Memory tells the clearer story. With the batch shrinking as the length grows, the fused "
-                    f"kernels' peak stays flat ({fused[0]}: {mem_f:,.0f} MiB at {s_max:,}), while the written-out "
+                    f"kernels' peak stays flat ({min(fused_mem):,.0f} to {max(fused_mem):,.0f} MiB at {s_max:,} across "
+                    f"{', '.join(fused)}), while the written-out "
                     f"version's grows with the length ({mem_e:,.0f} MiB). The formula's s x s term for one layer is "
                     f"{term:,.0f} MiB at this length"
                     + (f"; the measured peak is {mem_e / term:.1f} times that, because this implementation keeps its "
@@ -549,7 +559,9 @@ pd.Series({"packed row's loss": packed_loss, "token-weighted mean of the documen
 # %% [markdown]
 # **What padding costs.** Now the three batchings of the same 24 documents (lengths drawn from a
 # long-tailed distribution, as real text is, up to 1,024 tokens; 8 short ones in the tiny profile) through
-# the 1.3B model, forward and backward in bf16: the whole set of batches is one timed call (10 repeats). The
+# the 1.3B model (on a GPU too small for its training states, as many of its layers as fit: the setup cell prints
+# how many), forward and backward in 16-bit autocast (bf16, or fp16 on a GPU without bf16): the whole set of
+# batches is one timed call (10 repeats on a GPU). The
 # number that matters is **useful tokens per second**: document tokens, not padding, per second.
 
 # %%
@@ -594,7 +606,7 @@ cleanup.free(globals(), "lm")
 pack_table = pd.DataFrame(pack_rows_).T
 pad_label, group_label, pack_label = list(batchings)
 for label in (group_label, pack_label):
-    note_finding(label.split(" (")[0], "polyglot-ko-1.3b", pack_timed, pad_label, label)
+    note_finding(label.split(" (")[0], LM_NAME, pack_timed, pad_label, label)
 pack_table
 
 # %%
@@ -607,7 +619,7 @@ ax.set_yticks(y, pack_table.index)
 ax.invert_yaxis()
 ax.set_xlabel("useful tokens per second (thousands; forward + backward)")
 ax.set_xlim(right=ax.get_xlim()[1] * 1.25)
-ax.set_title(prof.pick(tiny="tiny GPT-NeoX (CPU): ", full="1.3B GPT-NeoX: ")
+ax.set_title(prof.pick(tiny="tiny GPT-NeoX (CPU): ", full=f"{LM_SHORT}: ")
              + f"most useful tokens per second with {pack_table['useful tokens/s'].astype(float).idxmax().split(' (')[0]} batches")
 fig.tight_layout()
 
@@ -620,8 +632,10 @@ if prof.on_gpu:
         f"packing {pack_table.loc[pack_label, 'padding (%)']:.0f}%. In useful tokens per second, length grouping is "
         f"{c_g[group_label]['speed-up']:.2f} times the padded batches ({c_g[group_label]['difference']}) and packing "
         f"{c_g[pack_label]['speed-up']:.2f} times ({c_g[pack_label]['difference']}). Packing's rows carry a "
-        f"block-diagonal mask, so SDPA cannot use the flash kernel there (it takes no arbitrary mask) and falls back "
-        f"to a kernel that does; FlashAttention's variable-length interface "
+        f"block-diagonal mask, which SDPA's flash backend does not accept (it takes no arbitrary mask), so SDPA must "
+        f"use a kernel that takes one (which one ran was not read here; the note below says why that matters), and "
+        f"the packed set has {len(batchings[pack_label])} batches against {len(batchings[pad_label])}, so part of the "
+        f"gain can be fewer, larger launches; FlashAttention's variable-length interface "
         f"(`attn_implementation=\"flash_attention_2\"` with the `flash-attn` package, not installed here) skips the "
         f"mask entirely. Length grouping needs no change to the model, but makes batches less random: the "
         f"`Trainer` groups within shuffled mega-batches for that reason."
@@ -654,13 +668,14 @@ else:
 # more than this chapter's budget, so it is left to an exercise.
 #
 # Both models use **regional compilation**: compile each transformer layer (`layer.compile()`) instead of
-# the whole model. All 24 layers of either model run the same code, so TorchDynamo can compile it once and
+# the whole model. All the layers of either model (24 each) run the same code, so TorchDynamo can compile it once and
 # reuse it, as long as nothing that differs between layers is guarded on. A key-value cache is such a thing:
 # with the config's default `use_cache=True`, the GPT-NeoX model builds a cache even in a training step and
 # hands each layer its own entry, and every layer then recompiles. Training needs no cache, so `build` sets
 # `model.config.use_cache = False`, and `compile_runs` asserts that the layers compiled fewer times than there
 # are layers and never again while timed. Compile time is then that of one layer, and the embeddings, the
-# masks, the final norm and the loss stay eager. Each model is timed eager first, then compiled, on the same
+# masks, the final norm, the loss and the optimizer step stay eager: no row of this section compiles the whole
+# training step (model and optimizer together), and `reduce-overhead` graphs only the layers. Each model is timed eager first, then compiled, on the same
 # weights and batch; compile time is the first compiled step's time minus an eager step. `reduce-overhead`
 # runs first on bert-large, because it is the mode a host-bound step needs.
 
@@ -702,6 +717,7 @@ def make_step(model, optimizer, batch, *, new_graph_step=False):
     return step
 
 
+COMPILE_REPEAT = prof.pick(tiny=3, full=30)  # timed steps per variant: a step of ~0.1 s costs ~3 s; the verdicts need them
 RECOMPILE_LIMIT = torch._dynamo.config.recompile_limit  # recompilations of one code object before it runs eagerly
 
 
@@ -717,7 +733,7 @@ def compile_runs(name, how, modes, budget_s):
     model, optimizer = build(name)
     batch = make_batch(name, SETUPS[name]["batch"])
     measure.reset_peak(dev)
-    timed = {"eager": timing.time_it(make_step(model, optimizer, batch), device=dev)}
+    timed = {"eager": timing.time_it(make_step(model, optimizer, batch), device=dev, repeat=COMPILE_REPEAT)}
     info = {"eager": {"peak allocated (GiB)": torch.cuda.max_memory_allocated() / 2**30}}
     for mode in modes:
         label = f"compiled ({how}, {mode})"
@@ -741,7 +757,7 @@ def compile_runs(name, how, modes, budget_s):
             first_s = time.perf_counter() - t0
             compilations = counters["frames"]["ok"]  # TorchDynamo compilations: each code object, plus each recompile
             measure.reset_peak(dev)
-            timed[label] = timing.time_it(step, device=dev)
+            timed[label] = timing.time_it(step, device=dev, repeat=COMPILE_REPEAT)
         except Exception as err:  # a compile that fails is a result too
             info[label] = {"note": f"failed: {type(err).__name__}: {str(err).splitlines()[0][:120]}"}
             continue
@@ -782,7 +798,7 @@ def compile_table(results):
                 row.update({"step median (ms)": t.wall.median * 1e3, "IQR (ms)": t.wall.iqr * 1e3,
                             "GPU busy": t.gpu_busy, "kernels per step": t.kernels_per_call,
                             "speed-up vs eager": cmp[label]["speed-up"], "verdict": cmp[label]["difference"]})
-            rows[(name, label)] = row
+            rows[(LM_NAME if name == LM else name, label)] = row
     cols = ["step median (ms)", "IQR (ms)", "speed-up vs eager", "verdict", "GPU busy", "kernels per step",
             "peak allocated (GiB)", "compile time (s)", "compilations (first step)", "recompilations while timed",
             "graph breaks", "note"]
@@ -794,7 +810,8 @@ if compiled:
     for name, (timed, _) in compiled.items():
         for label in timed:
             if label != "eager":
-                note_finding(f"torch.compile, {label.split('(')[1].rstrip(')')}", name, timed, "eager", label)
+                note_finding(f"torch.compile, {label.split('(')[1].rstrip(')')}", LM_NAME if name == LM else name,
+                             timed, "eager", label)
     compile_tab = compile_table(compiled)
     torch._dynamo.reset()  # compiled code can keep its model alive; the results are all in the tables now
     cleanup.collect()
@@ -816,11 +833,13 @@ if compiled:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
     labels = [f"{m.split('-')[0]}\n{v.replace('compiled ', '')}" for m, v in tab.index]
     y = np.arange(len(tab))
-    ax1.barh(y, tab["step median (ms)"].astype(float), xerr=tab["IQR (ms)"].astype(float),
+    walls = [compiled[LM if m == LM_NAME else m][0][v].wall for m, v in tab.index]  # the table shows LM_NAME
+    ax1.barh(y, [w.median * 1e3 for w in walls],
+             xerr=np.array([[w.median - w.q1 for w in walls], [w.q3 - w.median for w in walls]]) * 1e3,
              color=["C0" if v == "eager" else "C1" for _, v in tab.index])
     ax1.set_yticks(y, labels)
     ax1.invert_yaxis()
-    ax1.set_xlabel("training step (ms, median of 10, IQR as error bar)")
+    ax1.set_xlabel(f"training step (ms, median of {COMPILE_REPEAT}; whiskers from Q1 to Q3)")
     ax1.set_title("training step: eager against compiled")
     busy = tab["GPU busy"].astype(float) * 100
     ax2.barh(y, busy, color=["C0" if v == "eager" else "C1" for _, v in tab.index])
@@ -830,7 +849,7 @@ if compiled:
     ax2.set_xlabel("GPU busy (% of the step)")
     ax2.set_title("how much of the step the GPU worked")
     fig.suptitle(f"torch.compile in bf16: bert-large (batch {SETUPS['bert-large-uncased']['batch']} x "
-                 f"{SETUPS['bert-large-uncased']['seq_len']}), 1.3B GPT-NeoX (batch "
+                 f"{SETUPS['bert-large-uncased']['seq_len']}), {LM_SHORT} (batch "
                  f"{SETUPS['polyglot-ko-1.3b']['batch']} x {SETUPS['polyglot-ko-1.3b']['seq_len']})")
     fig.tight_layout()
 
@@ -844,7 +863,7 @@ if compiled:
             if label == "eager":
                 continue
             if label not in timed:
-                lines.append(f"- **{name}, {label}**: {row['note']}.")
+                lines.append(f"- **{LM_NAME if name == LM else name}, {label}**: {row['note']}.")
                 continue
             t, c = timed[label], cmp[label]
             change = (f"{abs(1 - t.wall.median / e.wall.median):.0%} {'faster' if c['difference'] == 'faster' else 'slower'}"
@@ -853,7 +872,7 @@ if compiled:
             cats_c = compile_cats[(name[:10], label.replace("compiled ", ""))]
             ew = "element-wise / normalisation"
             lines.append(
-                f"- **{name}, {label}**: compiling took {row['compile time (s)']:.0f} s; the step is {change} "
+                f"- **{LM_NAME if name == LM else name}, {label}**: compiling took {row['compile time (s)']:.0f} s; the step is {change} "
                 f"({t.wall.median * 1e3:.1f} ms, IQR {t.wall.iqr * 1e3:.1f}, against {e.wall.median * 1e3:.1f} ms, "
                 f"IQR {e.wall.iqr * 1e3:.1f}). GPU busy {t.gpu_busy:.0%} (eager {e.gpu_busy:.0%}); "
                 f"{t.kernels_per_call:,} GPU operations per step (eager {e.kernels_per_call:,}); element-wise and "
@@ -874,17 +893,41 @@ if compiled:
                     f"  Attention kernels ran in both ({att_e:.1f} ms eager, {att_c:.1f} ms compiled; GEMM {gemm_e:.1f} "
                     f"against {gemm_c:.1f} ms), and the eager step was already GPU-bound, so launch savings cannot help: "
                     f"the time is in matrix products and attention kernels that compilation does not replace.")
+            elif c["difference"] != "faster" and e.verdict != "GPU-bound":
+                gpu_e, gpu_c = cats_e.sum(), cats_c.sum()
+                lines.append(
+                    f"  The GPU had {'less' if gpu_c < gpu_e else 'more'} to do compiled ({gpu_c:.1f} ms of kernels per "
+                    f"step against {gpu_e:.1f} ms eager), while the step is not GPU-bound (GPU busy {e.gpu_busy:.0%} "
+                    f"eager, {t.gpu_busy:.0%} compiled; host enqueue {e.host.median * 1e3:.1f} against "
+                    f"{t.host.median * 1e3:.1f} ms): its wall time follows the host, whose speed varies from run to run "
+                    f"on a shared machine"
+                    + (", so the slower step is the host's time, not the compiled kernels'." if c["difference"] == "slower"
+                       and gpu_c < gpu_e else "."))
+            opt_ms = cats_c.get("optimizer", 0.0)
+            if opt_ms > 0:
+                lines.append(
+                    f"  The optimizer step is not compiled here (only the layers are): its kernels took {opt_ms:.1f} ms "
+                    f"of GPU time per step ({opt_ms / max(cats_c.sum(), 1e-9):.0%} of the compiled step's kernel time), "
+                    f"as in eager mode ({cats_e.get('optimizer', 0.0):.1f} ms).")
     display(Markdown("\n".join(lines)))
 else:
     print("skipped on CPU: no compilation ran")
 
 # %% [markdown]
 # *Why per layer, and not the whole model.* Compiling bert-large whole also traces transformers' code that
-# builds the attention mask. That code drops an all-ones padding mask (so that SDPA may pick a fused kernel
-# without a mask) only when it is *not* tracing, and it counts `torch.compile` and CUDA-graph capture as
-# tracing (`transformers.utils.import_utils.is_tracing`). Compiled per layer, the mask is built eagerly,
-# outside the compiled region. Section 9.4 tests, on a bare SDPA call and on a small BERT, whether a mask under
+# builds the attention mask. In the transformers version of this book's run (5.17), that code drops the mask (so
+# that SDPA may pick any fused kernel) only when it is *not* tracing, and it counts `torch.compile` and
+# CUDA-graph capture as tracing (`transformers.utils.import_utils.is_tracing`): under tracing it hands SDPA a
+# mask even for a batch without padding, and for a call with no `attention_mask` at all it builds that mask as an
+# expanded view that the fused kernels cannot take (section 9.4 prints its strides). Later releases skip a
+# missing mask under `torch.compile`. Compiled per layer, the mask is built eagerly, outside the compiled region,
+# in every version. Section 9.4 tests, on a bare SDPA call and on a small BERT, whether a mask under
 # compilation or capture is what costs the fused kernel.
+#
+# *What was not compiled.* In every compiled row only the transformer layers are compiled: the embeddings, the
+# loss and `optimizer.step()` run eagerly (the rendered lines above give the optimizer's kernel time). This
+# chapter does not measure compiling the whole training step, forward, backward and optimizer in one compiled
+# function; exercise 2 starts on it.
 
 # %% [markdown]
 # **Recompilation when the sequence length changes.** A compiled graph is specialised to its input shapes
@@ -897,7 +940,7 @@ else:
 # ```python
 # counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
 # layer_c = torch.compile(layer, backend=counter, dynamic=False)
-# ... counter.frame_count   # compilations so far (the first, plus each recompilation)
+# ... counter.frame_count   # graphs compiled since the reset (the first, plus each recompilation)
 # ```
 
 # %%
@@ -928,7 +971,7 @@ else:
                     measure.synchronize(dev)
                 rows[(f"dynamic={dynamic}", s)] = {"compiled a graph": counter.frame_count > before,
                                                    "first call (s)": time.perf_counter() - t0,
-                                                   "compilations so far": counter.frame_count}
+                                                   "graphs compiled for this setting": counter.frame_count}
         recompiles = pd.DataFrame(rows).T.rename_axis(["setting", "seq len"])
     except Exception as err:  # a compiler that cannot run here is a result too
         print(f"compilation failed: {type(err).__name__}: {str(err).splitlines()[0][:120]}")
@@ -1013,7 +1056,7 @@ if profiles.cuda_or_skip("CUDA graphs need a GPU"):
 
 # %% [markdown]
 # **Does a mask cost the fused kernel under compilation or capture?** Section 9.3 explained why a compiled or
-# captured BERT may hand SDPA an explicit all-ones mask. Two probes separate the possible causes, reading the
+# captured BERT may hand SDPA a mask even when nothing is padded. Two probes separate the possible causes, reading the
 # kernel names as above. First the bare SDPA call (same shape, no dropout) with no mask, an all-True boolean
 # mask of shape [b, 1, s, s] and an all-zero additive mask of that shape, each eager, compiled
 # (`torch.compile` of the call) and captured in a CUDA graph. Then the forward pass of a two-layer BERT with
@@ -1073,14 +1116,37 @@ if profiles.cuda_or_skip("the kernel names under compilation and capture need a 
         rows[("2-layer BERT, forward", mname, "eager")] = kernel_after_warmup(bert_fwd)
         rows[("2-layer BERT, forward", mname, "compiled")] = kernel_after_warmup(lambda m=m: bert_fwd(small_compiled, m))
         rows[("2-layer BERT, forward", mname, "CUDA graph")] = kernel_captured(bert_fwd)
+
+    # The evidence for the why: the mask the first attention layer receives, eager and while captured (transformers
+    # counts capture as tracing, as it counts compilation). Not hooked while compiled: a hook would change the graph.
+    seen_masks, current = {}, [None]
+
+    def record_mask(module, args, kwargs):
+        m_ = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        run = "CUDA graph (capture)" if torch.cuda.is_current_stream_capturing() else "eager"
+        seen_masks[(current[0], run)] = ("None" if m_ is None else f"{tuple(m_.shape)}, strides {tuple(m_.stride())}, "
+                                         f"{str(m_.dtype).replace('torch.', '')}")
+
+    first_attn = next(mod for mod in small_bert.modules() if type(mod).__name__.endswith("SelfAttention"))
+    handle = first_attn.register_forward_pre_hook(record_mask, with_kwargs=True)
+    try:
+        for mname, m in bert_masks.items():
+            current[0] = mname
+            kernel_captured(lambda m=m: bert_fwd(small_bert, m))  # eager warm-up calls, then the capture
+    finally:
+        handle.remove()
+    mask_strides = (pd.Series(seen_masks, name="mask the first attention layer receives").unstack()
+                    .rename_axis("attention_mask passed")) if seen_masks else None
     torch._dynamo.reset()
     freed = cleanup.free(globals(), "small_bert", "small_compiled", "sdpa_compiled", "probe_ids", "padded",
                          "sdpa_masks", "bert_masks", "bert_fwd", "fwd_bwd", "kernel_captured", "kernel_after_warmup",
-                         "sdpa_call", "m")
+                         "sdpa_call", "m", "first_attn", "handle", "record_mask")
     assert not freed.still_alive, f"still held elsewhere: {freed.still_alive}"
     mask_probe = (pd.Series(rows, name="attention kernel seen").unstack(-1)[["eager", "compiled", "CUDA graph"]]
                   .rename_axis(["call", "mask"]))
     display(mask_probe)
+    if mask_strides is not None:
+        display(mask_strides)
 
 # %% tags=["remove-input"]
 if mask_probe is not None:
@@ -1119,9 +1185,14 @@ if mask_probe is not None:
         if ones_kept:
             text.append(f"In BERT it is the other way round: `attention_mask=None` loses the fused kernel "
                         f"({', '.join(none_lost)}), while an explicit all-ones padding mask keeps it "
-                        f"({', '.join(ones_kept)}). So when the model is compiled whole or captured, give it the batch's "
-                        f"attention mask even where nothing is padded; the CUDA-graph step below tests that on a full "
-                        f"training step.")
+                        f"({', '.join(ones_kept)}). That is a property of transformers {transformers.__version__}, not of "
+                        f"SDPA: the second table shows the mask the attention layer receives. Where a mask is given "
+                        f"while capturing although none was passed, transformers has built an all-True one instead of "
+                        f"dropping it; a stride of 0 in its last dimension means an expanded view, not a tensor in "
+                        f"memory, and the fused kernels need that dimension contiguous. Later transformers releases "
+                        f"return no mask in this case, and there passing an all-ones mask only adds one. So with your "
+                        f"version, read the kernel names, as here, before choosing; the CUDA-graph step below tests "
+                        f"the explicit mask on a full training step.")
         else:
             text.append("In BERT, both `attention_mask=None` and an explicit all-ones mask lose the fused kernel "
                         "under compilation or capture, so the mask is not the whole cause there.")
@@ -1129,7 +1200,7 @@ if mask_probe is not None:
 
 # %% [markdown]
 # Now the whole bert-large step at batch 4: eager, then replayed from a CUDA graph. The batch has no padding
-# and, like every batch of this chapter, no `attention_mask`. Two more captures test the probes: the same
+# and, like the other batches built by `make_batch` (sections 9.3, 9.4 and 9.6), no `attention_mask`. Two more captures test the probes: the same
 # graph with the batch's all-ones `attention_mask` passed explicitly, and the graph without a mask but with
 # the attention dropout set to 0 (`attention_probs_dropout_prob`; the other dropouts stay).
 
@@ -1220,8 +1291,8 @@ if graph_result and "CUDA graph" in g_timed:
                  f"and takes {gm.wall.median * 1e3:.1f} ms (IQR {gm.wall.iqr * 1e3:.2f}; {cm['speed-up']:.2f} times the "
                  f"graph without a mask, {cm['difference']}). ")
         if att_g.startswith("none") and not att_m.startswith("none"):
-            text += ("The explicit mask brought the fused kernel back, as the mask probe predicted: when you capture "
-                     "or compile a whole BERT, pass the mask even for unpadded batches. ")
+            text += (f"The explicit mask brought the fused kernel back, as the mask probe predicted for transformers "
+                     f"{transformers.__version__} (newer releases drop a missing mask under capture themselves). ")
         elif att_g.startswith("none"):
             text += "The explicit mask did not bring a fused kernel back in the full training step either. "
     if att_g.startswith("none") and not att_e.startswith("none"):
@@ -1252,7 +1323,7 @@ cleanup.collect()
 # `data.TokenizingDataset` does real CPU work per sample: it builds a pseudo-text and tokenises it with a
 # pure-Python greedy sub-word matcher, as an on-the-fly tokenizer would. A stall is only visible when the
 # step itself keeps the GPU busy, so the step here is bert-large at batch 64 of 128 tokens (8,192 tokens, as
-# many as section 9.3's GPU-bound step), and the text length (`words`) is calibrated on this CPU so that
+# many as section 9.3's bert-large step of 16 x 512), and the text length (`words`) is calibrated on this CPU so that
 # tokenising one batch takes about `LOAD_TARGET_MS` milliseconds, of the order of the step itself:
 
 # %%
@@ -1270,8 +1341,11 @@ print(f"{words} words per sample; one sample: {t_sample.wall.median * 1e3:.2f} m
 # %% [markdown]
 # Each timed call fetches the next batch from the loader, copies it to the GPU and runs the step (`time_it`,
 # 10 repeats, GPU-busy from the profiler). The first row is the reference no loader setting can beat: the same
-# step fed from batches already on the GPU. The last column is the wait for the first batch of a new epoch:
-# worker start-up, which persistent workers pay once (one measurement per setting, not a median).
+# step fed from batches already on the GPU. The last column is the wait for the first batch of the next epoch,
+# measured once per setting after the timed epoch has been run to its end: fresh workers pay their start-up
+# there at every epoch, persistent ones only at the first. Within an epoch `persistent_workers` changes
+# nothing, so its row is a second measurement of the pinned row: a check on how far two rows can differ by
+# chance. Copying one batch to the GPU is also timed on its own, from pageable and from pinned memory.
 
 # %%
 LOADERS = {
@@ -1305,6 +1379,8 @@ def loader_run(model, optimizer, kwargs):
         make_step(model, optimizer, batch)()
 
     t = timing.time_it(fetch_and_step, device=dev, warmup=3, repeat=10)
+    for _ in it:  # finish the epoch untimed, as a training loop does, so that no batch is still in flight
+        pass
     it = None  # this epoch's iterator (and its workers, unless persistent) ends here
     t0 = time.perf_counter()
     next(iter(loader))  # a new epoch: how long until its first batch?
@@ -1319,25 +1395,41 @@ if profiles.cuda_or_skip("an input stall means a GPU waiting; on a CPU the worke
     for label, kwargs in LOADERS.items():
         load_timed[label], first_batch_s[label] = loader_run(model, optimizer, kwargs)
     cleanup.free(globals(), "model", "optimizer")
+    sample = next(iter(torch.utils.data.DataLoader(tok_ds, batch_size=LOAD_BATCH)))  # what pinning could speed up
+    sample_pinned = {k: v.pin_memory() for k, v in sample.items()}
+    copy_timed = {
+        "pageable, blocking": timing.time_it(lambda: [v.to(dev) for v in sample.values()], device=dev,
+                                             warmup=3, repeat=20, busy=False),
+        "pinned, non_blocking": timing.time_it(lambda: [v.to(dev, non_blocking=True) for v in sample_pinned.values()],
+                                               device=dev, warmup=3, repeat=20, busy=False),
+    }
+    copy_ms = {k: t.wall.median * 1e3 for k, t in copy_timed.items()}
+    print(f"copying one batch ({', '.join(sample)}) to the GPU, median of 20: "
+          + "; ".join(f"{k} {v:.3f} ms (IQR {copy_timed[k].wall.iqr * 1e3:.3f})" for k, v in copy_ms.items()))
+    del sample, sample_pinned
     load_table = pd.DataFrame({k: t.summary() for k, t in load_timed.items()}).T
     load_table["vs num_workers=0"] = pd.Series({k: f"{v['speed-up']:.2f}x, {v['difference']}" for k, v in
                                                 timing.compare(load_timed, "num_workers=0").items()})
     load_table["vs batches on the GPU"] = pd.Series({k: f"{v['speed-up']:.2f}x, {v['difference']}" for k, v in
                                                      timing.compare(load_timed, STAGED).items()})
-    load_table["first batch of an epoch (ms)"] = pd.Series(first_batch_s) * 1e3
-    for k in list(LOADERS)[1:]:
+    load_table["next epoch's first batch (ms, one wait)"] = pd.Series(first_batch_s) * 1e3
+    for k in list(LOADERS)[1:4]:
         note_finding(k, f"bert-large-uncased (batch {LOAD_BATCH} x 128)", load_timed, "num_workers=0", k)
+    note_finding("persistent_workers (within an epoch)", f"bert-large-uncased (batch {LOAD_BATCH} x 128)", load_timed,
+                 "num_workers=4, pin_memory, non_blocking", "… and persistent_workers")
     display(load_table[["wall median (ms)", "wall IQR (ms)", "GPU busy", "host enqueue median (ms)",
-                        "vs num_workers=0", "vs batches on the GPU", "first batch of an epoch (ms)"]])
+                        "vs num_workers=0", "vs batches on the GPU", "next epoch's first batch (ms, one wait)"]])
 
 # %%
 if load_timed:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 3.6))
     y = np.arange(len(load_table))
-    ax1.barh(y, load_table["wall median (ms)"].astype(float), xerr=load_table["wall IQR (ms)"].astype(float), color="C0")
+    walls = [load_timed[k].wall for k in load_table.index]
+    ax1.barh(y, [w.median * 1e3 for w in walls],
+             xerr=np.array([[w.median - w.q1 for w in walls], [w.q3 - w.median for w in walls]]) * 1e3, color="C0")
     ax1.set_yticks(y, load_table.index)
     ax1.invert_yaxis()
-    ax1.set_xlabel("fetch + training step (ms, median of 10, IQR as error bar)")
+    ax1.set_xlabel("fetch + training step (ms, median of 10; whiskers from Q1 to Q3)")
     ax1.set_title("step time with the input pipeline")
     ax2.barh(y, load_table["GPU busy"].astype(float) * 100, color="C2")
     ax2.set_yticks(y, [""] * len(y))
@@ -1368,29 +1460,43 @@ if load_timed:
                 f"times `num_workers=0`, {c4['num_workers=4']['difference']}; against the reference "
                 f"{vs_ref['num_workers=4']['difference']}), GPU busy {t4_.gpu_busy:.0%}.")
     pin_diff = c_w4[pin_label]["difference"]
+    saved_ms = copy_ms["pageable, blocking"] - copy_ms["pinned, non_blocking"]
+    row_ms = (t4_.wall.median - load_timed[pin_label].wall.median) * 1e3
     text.append(f"Pinned memory with `non_blocking` copies, against the same four workers without: "
-                f"{c_w4[pin_label]['speed-up']:.2f} times ({pin_diff}). A batch of {LOAD_BATCH} x 128 token ids and its "
-                f"mask is {LOAD_BATCH * 128 * 16 / 1024:.0f} KiB, a copy of microseconds"
-                + (", so pinning has nothing measurable to save here." if pin_diff == "within the noise" else
-                   ", so this difference is not the copy itself: it is the run-to-run variation of the host, which one "
-                   "run's IQR does not capture."))
+                f"{c_w4[pin_label]['speed-up']:.2f} times ({pin_diff}). Copying one batch to the GPU takes "
+                f"{copy_ms['pageable, blocking']:.3f} ms from pageable memory and {copy_ms['pinned, non_blocking']:.3f} ms "
+                f"from pinned memory (printed above, each until the copy has finished), so pinning can save at most about {saved_ms:.2f} ms a step"
+                + (": nothing measurable here, and the rows agree." if pin_diff == "within the noise" else
+                   f"; the rows differ by {row_ms:+.1f} ms, so the copy does not explain that difference, and nothing "
+                   f"in this run isolates what does."))
+    persistent = "… and persistent_workers"
+    aa = timing.compare({"pinned": load_timed[pin_label], "persistent": load_timed[persistent]}, "pinned")["persistent"]
+    text.append("`persistent_workers` changes nothing within an epoch, which is all the timed steps see, so its row "
+                "repeats the pinned row: "
+                + ("the two agree within the noise, as they must." if aa["difference"] == "within the noise" else
+                   f"yet it measured {aa['speed-up']:.2f} times the pinned row ({aa['difference']}). Differences "
+                   f"between rows of this table of that size are the host's variation from one timed run to the next, "
+                   f"which the IQR within one run does not capture."))
     beat_ref = [k for k, v in vs_ref.items() if k != STAGED and v["difference"] == "faster"]
     if beat_ref:
         text.append(f"No loader can make the step faster than batches already on the GPU, yet {', '.join(beat_ref)} "
                     f"measured faster than that reference: the host's variation between timed runs is larger than the "
                     f"IQR within one, so read differences of this size as noise.")
-    text.append(f"A new epoch waits {first_batch_s['num_workers=4'] * 1e3:.0f} ms for its first batch with four fresh "
-                f"workers and {first_batch_s['… and persistent_workers'] * 1e3:.0f} ms with persistent ones (one "
-                f"measurement each). **Rule of thumb**: time the step on batches already on the GPU; if the loader's "
+    fresh, kept = first_batch_s[pin_label], first_batch_s[persistent]
+    text.append(f"After an epoch has ended, the next one waits {fresh * 1e3:.0f} ms for its first batch with four fresh "
+                f"workers and {kept * 1e3:.0f} ms with persistent ones (one wait each; tokenising one batch takes about "
+                f"{LOAD_BATCH * t_sample.wall.median * 1e3:.0f} ms of it): persistent workers save the workers' start-up "
+                f"once per epoch, and nothing within one. **Rule of thumb**: time the step on batches already on the GPU; if the loader's "
                 f"step is slower, the pipeline is the bottleneck: add workers until the step time stops falling, and no "
                 f"more than the CPU cores free of other work.")
     display(Markdown(" ".join(text)))
 
 # %% [markdown]
-# *On the sentence above.* Where it explains a difference between the pinned and the unpinned loader by the
-# host's run-to-run variation, that is an inference, not a measurement: the copy is too small to explain it,
-# and nothing in this run isolates the cause. The committed run executed this chapter on one GPU while
-# another chapter ran on the machine's second GPU, sharing the host's CPU cores with the loader's workers.
+# *On the rows above.* The loader's workers share the host's CPU cores with everything else that runs on it.
+# The committed outputs come from a machine whose other GPUs ran other chapters at the same time (the
+# [status page](../book/status.md) says how each chapter was run), so the host's speed could change between
+# two rows. The persistent-workers row is the control: within an epoch it is the pinned row again, and any
+# difference between the two is that variation.
 
 # %%
 cleanup.free(globals(), "tok_ds", "probe_ds")
@@ -1422,7 +1528,8 @@ def free_wins(batch_size=8):
     for label, kw in (("AdamW foreach (default)", {"foreach": True}), ("AdamW for-loop", {"foreach": False}),
                       ("AdamW fused", {"fused": True})):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, **kw)
-        timed[label] = timing.time_it(make_step(model, optimizer, batch), device=dev, warmup=WARMUP, repeat=REPEAT)
+        timed[label] = timing.time_it(make_step(model, optimizer, batch), device=dev, warmup=WARMUP,
+                                      repeat=COMPILE_REPEAT)  # 30 on a GPU: these rows differ by a few percent at most
         del optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
 
@@ -1433,7 +1540,7 @@ def free_wins(batch_size=8):
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
 
-    timed["zero_grad(set_to_none=False)"] = timing.time_it(step_zero, device=dev, warmup=WARMUP, repeat=REPEAT)
+    timed["zero_grad(set_to_none=False)"] = timing.time_it(step_zero, device=dev, warmup=WARMUP, repeat=COMPILE_REPEAT)
     if cap is not None and cap.tf32:
         def fp32_step():
             model(**batch).loss.backward()
@@ -1496,7 +1603,11 @@ if prof.on_gpu and len(wins_table):
         + (f"Slower than its baseline: {', '.join(slower)}. " if slower else "")
         + (f"Within the noise, so not a win here: {', '.join(noise)}. " if noise else "")
         + "A change to the optimizer shows only where the optimizer is a visible share of the step (chapter 8's "
-          "category table); TF32 only where fp32 matrix products remain."
+          "category table); TF32 only where fp32 matrix products remain. "
+        + (lambda b: f"The optimizers' baseline step, median of {len(b.wall_s)}: {b.verdict} (GPU busy "
+                     f"{b.gpu_busy:.0%})"
+                     + (", so those rows measure the host's launches more than the update itself." if
+                        b.gpu_busy < timing.HOST_BOUND_BUSY else "."))(wins_timed["AdamW foreach (default)"])
     ))
 else:
     print("skipped on CPU: no GPU timings to compare")
@@ -1527,7 +1638,7 @@ if prof.on_gpu and len(closing):
     for name, (_, info) in compiled.items():
         for label, row in info.items():
             if "compile time (s)" in row:
-                ctimes.append(f"{name}, {label}: {row['compile time (s)']:.0f} s")
+                ctimes.append(f"{LM_NAME if name == LM else name}, {label}: {row['compile time (s)']:.0f} s")
     display(Markdown(
         f"{len(faster)} of the {len(closing)} changes made the step faster beyond the noise, {len(noise)} were within "
         f"the noise and {len(slower)} made it slower"
@@ -1540,7 +1651,8 @@ else:
 # %% [markdown]
 # *What the table above does not hold.* Fused attention is measured only in section 9.1's sweep, not as a
 # training-step comparison; a compile mode that the chapter's time budget skipped has no row (section 9.3's
-# table says which ran); CUDA graphs, data loading and the free wins were measured on bert-large only. The
+# table says which ran), and `torch.compile` is measured per layer only, with the optimizer step eager in every
+# row (exercise 2 compiles the optimizer); CUDA graphs, data loading and the free wins were measured on bert-large only. The
 # attention kernel can also differ between rows: sections 9.3 and 9.4 show which kernel each compiled or
 # captured step ran.
 
@@ -1569,6 +1681,7 @@ else:
 # ```python
 # import torch
 # from torch.nn.attention import SDPBackend, sdpa_kernel
+# from transformers import AutoModelForCausalLM
 #
 # model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
 # loader = torch.utils.data.DataLoader(ds, batch_size=32, num_workers=4, pin_memory=True,
