@@ -767,7 +767,7 @@ print("DeepSpeed is installed, but this chapter runs only the FSDP config" if de
 # ## 7.7 Communication, measured
 #
 # How fast are the collectives themselves? `scripts/collectives_bench.py` times all-reduce, reduce-scatter,
-# all-gather and broadcast on every GPU of this machine, from 1 MiB to 1 GiB (in the tiny profile: two CPU
+# all-gather and broadcast on every GPU of this machine, from 1 MiB to 4 GiB (in the tiny profile: two CPU
 # processes with gloo, 64 KiB to 4 MiB). It follows the definitions of NVIDIA's `nccl-tests`
 # ([NVIDIA (2024)](../book/references.md), its doc/PERFORMANCE.md): for a collective on $S$ bytes that takes $t$
 # seconds on $n$ ranks, the *algorithm bandwidth* is $S/t$ and the *bus bandwidth* multiplies it by what a
@@ -958,6 +958,14 @@ if prof.on_gpu and 2 in world_sizes:
 else:
     print("skipped on CPU: no communication kernels to hold against the formula" if not prof.on_gpu
           else "skipped: no 2-GPU run to trace")
+
+# %% [markdown]
+# Reading the *calls* column: DDP all-reduces its gradients in buckets (one call per bucket) and, before
+# each forward pass, broadcasts its buffers from rank 0 (a few bytes here, hence DDP's single small broadcast).
+# `ZeroRedundancyOptimizer` broadcasts every parameter tensor after the step from the rank that updated it,
+# one call per tensor, which is why ZeRO-1 shows one broadcast per parameter tensor plus DDP's. FSDP
+# gathers and reduces one wrapped unit (here one transformer block, plus the root) per call, once for ZeRO-2
+# and twice (forward and backward) for ZeRO-3's all-gathers.
 
 # %%
 shutil.rmtree(WORK, ignore_errors=True)  # the launched processes' results, no longer needed
