@@ -129,7 +129,8 @@ class LoRALinear(nn.Module):
         self.base = base.requires_grad_(False)
         self.lora_A = nn.Linear(base.in_features, r, bias=False, device=base.weight.device, dtype=torch.float32)
         self.lora_B = nn.Linear(r, base.out_features, bias=False, device=base.weight.device, dtype=torch.float32)
-        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # as nn.Linear's default, and as the paper
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # as nn.Linear's default, peft and the paper's
+        # reference code (the paper's text says Gaussian)
         nn.init.zeros_(self.lora_B.weight)  # B = 0: the update starts at zero
         self.scaling = alpha / r
         self.dropout = nn.Dropout(dropout)
@@ -288,8 +289,9 @@ freed = cleanup.free(globals(), "small", "layer")
 # %% [markdown]
 # At $r = 256$ the default factor is 0.06 and rsLoRA's 1.0: sixteen times apart. Both train the same parameters
 # and cost the same memory; what differs is how far a step of the optimizer moves the adapted layer. With $\alpha/r$,
-# a rank sweep such as section 6.3's compares ranks whose effective learning rates differ by the ratio of the
-# ranks' square roots, so it says little about what a larger rank could learn at its best learning rate.
+# a sweep of the *loss* over ranks at one learning rate compares ranks whose effective learning rates differ by the
+# ratio of the ranks' square roots, so it says little about what a larger rank could learn at its best learning
+# rate. (Section 6.3's rank sweep measures memory and time, which the factor does not change.)
 
 # %% [markdown]
 # **Merging.** After training, $W + \frac{\alpha}{r} B A$ is just another $d_\text{out} \times d_\text{in}$ matrix.
@@ -500,8 +502,10 @@ if profiles.cuda_or_skip("emulating the T4's memory needs a GPU; on a CPU the ru
     budget = measure.t4_budget(nvml_before_cuda)
     print(budget.describe())
 
-FT32, FTMIX = "full fine-tuning, fp32", f"full fine-tuning, {AMP_NAME} autocast"
-LORA, LORA8, QLORA = f"LoRA r={R}, {AMP_NAME} base", f"LoRA r={R}, {AMP_NAME} base, 8-bit AdamW", f"QLoRA r={R}, NF4 base"
+FT32, FTMIX = "full fine-tuning (fp32)", f"full fine-tuning ({AMP_NAME} autocast)"
+LORA = f"LoRA r={R} ({AMP_NAME} base)"
+LORA8 = f"LoRA r={R} ({AMP_NAME} base + 8-bit AdamW)"
+QLORA = f"QLoRA r={R} (NF4 base + 8-bit AdamW)"
 CONFIGS = {
     FT32: (lambda: full_finetuning(None), 4),
     FTMIX: (lambda: full_finetuning(AMP), curve_steps),
@@ -568,7 +572,8 @@ ax.set_xticks(range(len(ft.index)), labels, rotation=0, ha="center", fontsize=8)
 if budget is not None:
     ax.axhline(budget.budget_gib, color="grey", linestyle="--", label="emulated T4 budget")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    ax.set_xlabel("* does not fit the T4 budget: measured on the whole GPU")
+    if any(label.endswith(" *") for label in labels):
+        ax.set_xlabel("* does not fit the T4 budget: measured on the whole GPU")
 fig.set_size_inches(10, 4.5)
 fig.tight_layout()
 
@@ -576,30 +581,56 @@ fig.tight_layout()
 n_embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
 
 
-def gib(name, col, fmt=".2f"):
-    """A number of the table, or an em dash where the run ran out of memory."""
-    return format(float(ft.loc[name, col]), fmt) if name in ok_rows else "—"
+def gib(name, col, fmt=".2f", unit=" GiB"):
+    """A number of the table with its unit, or "out of memory" where the run ran out of memory."""
+    return f"{format(float(ft.loc[name, col]), fmt)}{unit}" if name in ok_rows else "out of memory"
 
 
 def mib(name, col):
-    return f"{float(ft.loc[name, col]) * GIB / MIB:,.1f}" if name in ok_rows else "—"
+    return f"{float(ft.loc[name, col]) * GIB / MIB:,.1f} MiB" if name in ok_rows else "out of memory"
+
+
+def listing(items):
+    """'a', 'a and b', 'a, b and c' (the items contain no commas)."""
+    items = list(items)
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
 if prof.on_gpu:
     failed_t4 = [n for n in ft.index if ft.loc[n, "emulated T4"] != "ok"]
     fit_t4 = [n for n in ft.index if ft.loc[n, "emulated T4"] == "ok"]
     text = (f"Under the emulated T4 ({budget.budget_gib:.2f} GiB for tensors), "
-            + (f"{' and '.join(failed_t4)} failed" if failed_t4 else "every configuration fit")
-            + (f"; {', '.join(fit_t4)} fit" if failed_t4 and fit_t4 else "") + ". ")
+            + (f"{listing(failed_t4)} failed" if failed_t4 else "every configuration fit")
+            + (f"; {listing(fit_t4)} fit" if failed_t4 and fit_t4 else "") + ". ")
     big = [n for n in failed_t4 if n in ok_rows]
     if big:
-        text += ("On the whole GPU (the bars marked *, numbers from this larger GPU, not from a T4) "
-                 + ", ".join(f"{n} peaked at {gib(n, 'peak allocated', '.1f')} GiB" for n in big) + ". ")
+        text += ("On the whole GPU (the bars marked *, numbers from this larger GPU, not from a T4) the peaks were "
+                 + listing(f"{gib(n, 'peak allocated', '.1f')} for {n}" for n in big) + ". ")
     oom = [n for n in ft.index if n not in ok_rows]
     if oom:
-        text += f"{' and '.join(oom)} ran out of memory on this GPU even without the cap. "
-    text += ("Peaks of the others: " + "; ".join(f"{n} {gib(n, 'peak allocated')} GiB" for n in ok_rows
-                                                 if n not in big) + ".")
+        oom_txt = listing(oom)
+        text += f"{oom_txt[0].upper() + oom_txt[1:]} ran out of memory on this GPU even without the cap. "
+    others = [n for n in ok_rows if n not in big]
+    if others:
+        text += ("Peaks of the others: " + listing(f"{gib(n, 'peak allocated')} for {n}" for n in others) + ".")
+    if FTMIX in ok_rows:
+        states = sum(float(ft.loc[FTMIX, c]) for c in ("weights", "gradients", "optimizer states"))
+        rest = float(ft.loc[FTMIX, "peak allocated"]) - states
+        if rest < 0.5 * float(ft.loc[FTMIX, "activations"]):
+            text += (f" Full fine-tuning's peak ({gib(FTMIX, 'peak allocated')}) is hardly more than its model states "
+                     f"({states:.2f} GiB): they all exist at once only after backward has produced every gradient, "
+                     f"by which time the {gib(FTMIX, 'activations')} saved for backward have been freed, so its red "
+                     f"slice is thin.")
+            if LORA in ok_rows:
+                lora_rest = float(ft.loc[LORA, "peak allocated"]) - sum(
+                    float(ft.loc[LORA, c]) for c in ("weights", "gradients", "optimizer states"))
+                if lora_rest >= 0.8 * float(ft.loc[LORA, "activations"]):
+                    text += (f" LoRA's peak exceeds its model states by {lora_rest:.2f} GiB, against "
+                             f"{gib(LORA, 'activations')} saved for backward: it comes while the activations are "
+                             f"still held.")
+            if FT32 in ok_rows:
+                text += (f" Autocast does not lower the peak ({gib(FT32, 'peak allocated')} in fp32): the fp32 "
+                         f"master weights, gradients and AdamW states are the same 16 bytes per parameter.")
     display(Markdown(text))
 else:
     print("skipped on CPU: peaks and the T4 budget need a GPU (the figure shows the accounted parts)")
@@ -609,30 +640,31 @@ lines = []
 if LORA in ok_rows and QLORA in ok_rows:
     nf4_bits = 8 * (float(ft.loc[QLORA, "weights"]) - float(ft.loc[QLORA, "trainable weights"])) * GIB / n_base
     lines.append(
-        f"- **Weights.** {gib(LORA, 'weights')} GiB for LoRA's {AMP_NAME} base and adapters, {gib(QLORA, 'weights')} "
-        f"GiB for QLoRA's: the frozen part of QLoRA's is {nf4_bits:.1f} bits per parameter on average, not 4. The "
+        f"- **Weights.** {gib(LORA, 'weights')} for LoRA's {AMP_NAME} base and adapters, {gib(QLORA, 'weights')} "
+        f"for QLoRA's: the frozen part of QLoRA's is {nf4_bits:.1f} bits per parameter on average, not 4. The "
         f"embeddings and the LM head ({100 * n_embed / n_base:.0f}% of this model's parameters: its vocabulary is "
         f"large for its size) are not quantized, and `prepare_model_for_kbit_training` casts them to fp32.")
     lines.append(
         f"- **Gradients and optimizer states** nearly vanish: only the {int(ft.loc[LORA, 'trainable parameters']):,} "
-        f"adapter parameters have them. AdamW's states for LoRA take {mib(LORA, 'optimizer states')} MiB, the 8-bit "
-        f"states {mib(LORA8, 'optimizer states')} MiB with the {AMP_NAME} base and {mib(QLORA, 'optimizer states')} "
-        f"MiB with QLoRA's.")
+        f"adapter parameters have them. AdamW's states for LoRA take {mib(LORA, 'optimizer states')}, the 8-bit "
+        f"states {mib(LORA8, 'optimizer states')} with the {AMP_NAME} base and {mib(QLORA, 'optimizer states')} "
+        f"with QLoRA's.")
     lines.append(
-        f"- **Activations** do not go away: the backward pass still runs through every frozen layer to reach the "
-        f"adapters below it, and the inputs of the adapted layers are saved. The bytes saved for backward were "
-        f"{gib(FTMIX, 'activations')} GiB for full fine-tuning with autocast, {gib(LORA, 'activations')} GiB for "
-        f"LoRA and {gib(QLORA, 'activations')} GiB for QLoRA (whose fp32 embeddings and layer norms, left by "
-        f"`prepare_model_for_kbit_training`, put part of the residual stream in fp32). At long sequences the "
-        f"activations dominate, which is why QLoRA is usually combined with gradient checkpointing (chapter 4).")
+        "- **Activations** do not go away: the backward pass still runs through every frozen layer to reach the "
+        "adapters below it, and the inputs of the adapted layers are saved. The bytes saved for backward were "
+        + (f"{gib(FTMIX, 'activations')} for full fine-tuning with autocast, " if FTMIX in ok_rows else "")
+        + f"{gib(LORA, 'activations')} for LoRA and {gib(QLORA, 'activations')} for QLoRA (whose fp32 embeddings "
+        f"and layer norms, left by `prepare_model_for_kbit_training`, put part of the residual stream in fp32). At "
+        f"long sequences the activations dominate, which is why QLoRA is usually combined with gradient "
+        f"checkpointing (chapter 4).")
     if FTMIX in ok_rows:
         ft_acts = float(ft.loc[FTMIX, "activations"]) - float(ft.loc[FTMIX, "weight copies"])
         lora_acts = float(ft.loc[LORA, "activations"]) - float(ft.loc[LORA, "weight copies"])
         lines.append(
             f"  Full fine-tuning's figure is not activations alone: autocast keeps a 16-bit copy of every weight it "
-            f"casts until the backward pass (chapter 5), {gib(FTMIX, 'weight copies')} GiB here (the bytes an "
+            f"casts until the backward pass (chapter 5), {gib(FTMIX, 'weight copies')} here (the bytes an "
             f"8-token forward pass saves). Without them full fine-tuning saved {ft_acts:.2f} GiB, against "
-            f"{lora_acts:.2f} GiB for LoRA, whose base is already 16-bit ({mib(LORA, 'weight copies')} MiB of copies) "
+            f"{lora_acts:.2f} GiB for LoRA, whose base is already 16-bit ({mib(LORA, 'weight copies')} of copies) "
             + ("but whose adapters save tensors of their own, such as the dropped-out inputs of the adapter products."
                if lora_acts > ft_acts else "and whose adapters add only a little to what the frozen layers save."))
     if prof.on_gpu and LORA8 in ok_rows:
@@ -644,16 +676,33 @@ if LORA in ok_rows and QLORA in ok_rows:
             f"(LoRA with 8-bit AdamW against QLoRA) by {d_base * GIB / MIB:,.0f} MiB. "
             + ("Nearly all of QLoRA's saving is the 4-bit base: the adapters' optimizer states were small to begin with."
                if abs(d_opt) < 0.1 * abs(d_base) else "Both changes matter here."))
+        d_w = float(ft.loc[LORA8, "weights"]) - float(ft.loc[QLORA, "weights"])
+        d_act = float(ft.loc[QLORA, "activations"]) - float(ft.loc[LORA8, "activations"])
+        d_copies = float(ft.loc[QLORA, "weight copies"]) - float(ft.loc[LORA8, "weight copies"])
+        if d_w > d_base and d_act > 0:
+            lines[-1] += (
+                f" The weights alone fell by {d_w * GIB / MIB:,.0f} MiB; the peak fell less because QLoRA's step "
+                f"saved {d_act * GIB / MIB:,.0f} MiB more for backward, from the layers "
+                f"`prepare_model_for_kbit_training` left in fp32"
+                + (f" ({d_copies * GIB / MIB:,.0f} MiB of it autocast's 16-bit copies of their weights)."
+                   if d_copies > 0 else "."))
     largest = int(ft.loc[QLORA, "largest trainable tensor"])
     paged = ft.loc[QLORA, "paged state tensors"]
     if not paged_ok:
         lines.append("- **Paging** is skipped on a CPU: the 8-bit runs used the non-paged optimizer.")
     elif paged.startswith("0 of"):
+        paged_peak = max(float(ft.loc[n, "peak allocated"]) for n in (LORA8, QLORA) if n in ok_rows)
+        card_gib = torch.cuda.get_device_properties(0).total_memory / GIB
         lines.append(
-            f"- **Paging.** The paged 8-bit AdamW paged nothing here ({paged} state tensors): bitsandbytes allocates a "
-            f"state in unified memory only for a tensor of at least {PAGING_MIN_VALUES:,} values, and the largest "
-            f"adapter matrix has {largest:,}. So QLoRA's optimizer behaved exactly as the non-paged `AdamW8bit`; chapter "
-            f"5's bert-large, whose weight matrices are far larger, shows paging at work.")
+            f"- **Paging.** The paged 8-bit AdamW paged nothing here ({paged} state tensors, block scales and "
+            f"quantization maps included): bitsandbytes allocates a state in unified memory only for a tensor of at "
+            f"least {PAGING_MIN_VALUES:,} values, and the largest adapter matrix has {largest:,} (at "
+            f"r = {math.ceil(PAGING_MIN_VALUES / (4 * h))} and above the {4 * h:,} x r matrices of the MLP would cross "
+            f"it). So QLoRA's optimizer behaved as the non-paged `AdamW8bit` (plus one more synchronisation per step). "
+            f"Chapter 5's bert-large, whose weight matrices are far larger, shows a paged optimizer's states placed in "
+            f"unified memory. Even paged states move to the CPU only when the GPU runs out of memory: the 8-bit runs "
+            f"here peaked at {paged_peak:.2f} GiB of the GPU's {card_gib:.1f} GiB, and the T4 emulation could not "
+            f"force it either, since its cap applies to PyTorch's allocator, not to unified memory.")
     else:
         lines.append(
             f"- **Paging.** The paged 8-bit AdamW paged {paged} state tensors (those of adapter tensors with at least "
@@ -667,8 +716,10 @@ else:
 # %% [markdown]
 # **Speed.** LoRA skips the weight gradients of the frozen layers (a third of the FLOPs) and nearly all of the
 # optimizer's work; QLoRA, in addition, dequantizes every weight from 4 bits, in the forward pass and again in the
-# backward pass. Whether that shows in the step time depends on what limits the step. `time_it`'s medians, spreads
-# and verdicts, and `timing.compare` against full fine-tuning with autocast:
+# backward pass, and uses bitsandbytes' 8-bit optimizer instead of fused AdamW. Whether any of that shows in the
+# step time depends on what limits the step; the middle configuration again separates the two changes.
+# `time_it`'s medians, spreads and verdicts, the GPU kernel time beside them, and `timing.compare` against full
+# fine-tuning with autocast (where it ran out of memory, as on a real T4, against LoRA):
 
 # %%
 speed_cols = ["step (ms)", "step IQR (ms)", "tokens/s", "GPU busy", "verdict"]
@@ -678,20 +729,27 @@ if reference is not None:
     cmp = timing.compare(timings, baseline=reference)
     speed[f"speed-up vs {reference}"] = [cmp[n]["speed-up"] for n in speed.index]
     speed["difference"] = [cmp[n]["difference"] for n in speed.index]
+    speed.loc[reference, "difference"] = "reference"
+    speed["GPU kernel time (ms)"] = [1e3 * timings[n].kernel_s if timings[n].kernel_s is not None else float("nan")
+                                     for n in speed.index]
     speed["GPU ops per step"] = [timings[n].kernels_per_call for n in speed.index]
 speed
 
 # %% tags=["remove-input"]
 if prof.on_gpu and reference is not None and LORA in timings:
     lo = timings[LORA]
-    text = (f"A LoRA step took {lo.wall.median * 1e3:.0f} ms (IQR {lo.wall.iqr * 1e3:.1f}), "
-            f"{cmp[LORA]['speed-up']:.2f} times the speed of {reference} ({cmp[LORA]['difference']}); ")
+    text = f"A LoRA step took {lo.wall.median * 1e3:.0f} ms (IQR {lo.wall.iqr * 1e3:.1f})"
+    text += (f", {cmp[LORA]['speed-up']:.2f} times the speed of {reference}, {cmp[LORA]['difference']}; "
+             if reference != LORA else "; full fine-tuning did not fit, so there is no full step to compare. ")
     if QLORA in timings:
         q = timings[QLORA]
-        text += f"QLoRA took {q.wall.median * 1e3:.0f} ms (IQR {q.wall.iqr * 1e3:.1f}, {cmp[QLORA]['difference']}). "
-    text += (f"The LoRA step kept the GPU busy {lo.gpu_busy:.0%} of the time and ran {lo.kernels_per_call:,} GPU "
-             f"operations (verdict: *{lo.verdict}*)")
-    if reference in timings and reference != LORA:
+        text += (f"QLoRA took {q.wall.median * 1e3:.0f} ms (IQR {q.wall.iqr * 1e3:.1f}), "
+                 f"{cmp[QLORA]['speed-up']:.2f} times the speed of {reference}, {cmp[QLORA]['difference']}. ")
+    text += f"The LoRA step kept the GPU busy {lo.gpu_busy:.0%} of the time"
+    if lo.kernel_s is not None:
+        text += f", its kernels ran for {lo.kernel_s * 1e3:.0f} ms of the {lo.wall.median * 1e3:.0f} ms,"
+    text += f" and it ran {lo.kernels_per_call:,} GPU operations (verdict: *{lo.verdict}*)"
+    if reference != LORA:
         ref = timings[reference]
         text += f"; {reference}: busy {ref.gpu_busy:.0%}, {ref.kernels_per_call:,} operations (*{ref.verdict}*)"
     text += ". "
@@ -699,23 +757,49 @@ if prof.on_gpu and reference is not None and LORA in timings:
         text += (f"At {lm_batch * lm_seq:,} tokens per step the LoRA step is host-bound: its time is the CPU's time "
                  f"to issue kernels, and each of the {4 * n_layers} adapted layers adds kernels of its own (the two "
                  f"adapter products, dropout, casts and the scaling, in the forward and the backward pass). The FLOPs "
-                 f"LoRA saves show only at batches large enough to keep the GPU busy.")
+                 f"LoRA saves can show only where the GPU is the limit; chapter 4 times this model's step at batches "
+                 f"from 4 to 32 and shows where it turns GPU-bound. ")
     else:
-        text += "The step is not host-bound here, so the FLOPs LoRA saves can show in its time."
+        text += "The step is not host-bound here, so the FLOPs LoRA saves can show in its time. "
+    if LORA8 in timings and QLORA in timings:
+        l8 = timings[LORA8]
+        d_opt = timing.difference(lo.wall, l8.wall)
+        d_base = timing.difference(l8.wall, q.wall)
+        text += (f"One change at a time: the 8-bit optimizer took the step from {lo.wall.median * 1e3:.0f} to "
+                 f"{l8.wall.median * 1e3:.0f} ms ({d_opt}; {l8.kernels_per_call - lo.kernels_per_call:+,} GPU "
+                 f"operations), the 4-bit base from {l8.wall.median * 1e3:.0f} to {q.wall.median * 1e3:.0f} ms "
+                 f"({d_base}; {q.kernels_per_call - l8.kernels_per_call:+,} operations, the dequantization kernels "
+                 f"among them). ")
+        if d_opt == "slower":
+            text += ("bitsandbytes' 8-bit optimizer updates the adapter tensors one at a time and synchronises with "
+                     "the GPU (`torch.cuda.synchronize()`) after each, where fused AdamW updates them all in a few "
+                     "multi-tensor launches")
+            if d_base != "slower" and l8.verdict == "host-bound":
+                text += (": at a host-bound step that costs more than the dequantization kernels, which the GPU runs "
+                         "in time it would otherwise spend waiting. ")
+            else:
+                text += ". "
+        if d_base == "slower":
+            text += "The 4-bit base's extra kernels show in the step time here. "
     display(Markdown(text))
 else:
     print("skipped on CPU: step times and GPU-busy fractions need a GPU")
 
 # %% [markdown]
 # **The rank.** How do trainable parameters and memory grow with $r$? LoRA with $r$ from 4 to 256 on the same four
-# layers per block, three steps each (and ten timed ones), under the T4 budget:
+# layers per block, three steps each (and ten timed ones, with the GPU-busy fraction), under the T4 budget. The
+# adapter states are the adapters' fp32 weights, gradients and AdamW states and the 16-bit copies of the adapter
+# weights that autocast saves for backward (`autocast copies`, also shown on their own); the activations are the
+# bytes saved for backward less those copies.
 
 # %%
 ranks = prof.pick(tiny=[4, 8, 16, 32], full=[4, 8, 16, 32, 64, 128, 256])
-rank_rows = []
+rank_rows, rank_timed = [], {}
 for r in ranks:
     with measure.gpu_budget(budget.budget_gib) if budget is not None else contextlib.nullcontext():
-        row, _, _ = run(lambda r=r: lora(r), 3, busy=False)
+        row, _, timed = run(lambda r=r: lora(r), 3)  # with the GPU-busy fraction of each rank
+    if timed is not None:
+        rank_timed[r] = timed
     if row["result"] == "ok":
         # r (d_in + d_out) per adapted layer: (d + 3d) + (d + d) + (d + 4d) + (4d + d) = 16d per block
         assert row["trainable parameters"] == n_layers * r * 16 * h
@@ -726,27 +810,33 @@ rank_ok = rank_sweep[rank_sweep["result"] == "ok"].copy()
 rank_ok["trainable (M)"] = rank_ok["trainable parameters"].astype(float) / 1e6
 rank_ok["frozen base"] = rank_ok["weights"].astype(float) - rank_ok["trainable weights"].astype(float)
 rank_ok["adapter states"] = rank_ok[["trainable weights", "gradients", "optimizer states"]].astype(float).sum(axis=1)
-rank_cols = ["trainable (M)", "frozen base", "adapter states", "activations", "peak allocated", "step (ms)", "step IQR (ms)"]
-rank_sweep.join(rank_ok[["trainable (M)", "frozen base", "adapter states"]])[
-    ["result"] + [c for c in rank_cols if c in rank_sweep.columns or c in rank_ok.columns]]
+rank_ok["autocast copies"] = rank_ok["weight copies"].astype(float)
+rank_ok["activations"] = rank_ok["activations"].astype(float) - rank_ok["autocast copies"]
+rank_ok["adapter states"] = rank_ok["adapter states"] + rank_ok["autocast copies"]
+rank_cols = ["trainable (M)", "frozen base", "adapter states", "autocast copies", "activations", "peak allocated",
+             "step (ms)", "step IQR (ms)", "GPU busy"]
+rank_sweep[["result"]].join(rank_ok[[c for c in rank_cols if c in rank_ok.columns]])
 
 # %%
 fig, (ax_p, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
 ax_p.plot(rank_ok.index, rank_ok["trainable (M)"], "o-")
+ax_p.set_yscale("log", base=2)  # log-log: a proportion is a straight line
 ax_p.set_ylabel("trainable parameters (millions)")
 ax_p.set_title("trainable parameters: proportional to r", fontsize=10)
 series = {"frozen base": ("s-", "#8C8C8C"), "adapter states": ("o-", "#4C72B0"), "activations": ("^-", "#C44E52")}
 if prof.on_gpu:
     series["peak allocated"] = ("d--", "black")
+legend = {"adapter states": "adapter states (18 B/param)",
+          "activations": "activations (saved for backward,\nless weight copies)"}
 for col, (style, color) in series.items():
-    ax_m.plot(rank_ok.index, rank_ok[col].astype(float), style, color=color,
-              label="saved for backward" if col == "activations" else col)
+    ax_m.plot(rank_ok.index, rank_ok[col].astype(float), style, color=color, label=legend.get(col, col))
 r_top = rank_ok.index[-1] if len(rank_ok) else None
 if r_top is not None:
     top_row = rank_ok.loc[r_top]
     bigger = [c for c in ("frozen base", "activations") if top_row["adapter states"] > float(top_row[c])]
-    rank_title = (f"memory: at r = {r_top} the adapter states exceed the " + " and the ".join(bigger) if bigger
-                  else "memory: the frozen base and the activations dominate")
+    rank_title = (f"memory at {lm_batch} x {lm_seq} tokens: at r = {r_top} the adapter states exceed the "
+                  + " and the ".join(bigger) if bigger else
+                  f"memory at {lm_batch} x {lm_seq} tokens: the frozen base and the activations dominate")
 else:
     rank_title = "memory by rank"
 ax_m.set_ylabel("memory (GiB)")
@@ -764,13 +854,15 @@ if len(rank_ok) >= 2:
     lo_r, hi_r = rank_ok.index[0], rank_ok.index[-1]
     a, b = rank_ok.loc[lo_r], rank_ok.loc[hi_r]
     text = (f"From r = {lo_r} to {hi_r} the trainable parameters grow from {a['trainable (M)']:.2f} to "
-            f"{b['trainable (M)']:.1f} million, in proportion to r (the rank axis doubles at each step, which is why "
-            f"a straight proportion looks like a curve there). Each trainable parameter costs 16 bytes (fp32 weight "
-            f"and gradient, two AdamW states): {b['adapter states']:.2f} GiB at r = {hi_r}, against "
-            f"{b['frozen base']:.2f} GiB of frozen base and {float(b['activations']):.2f} GiB saved for backward. ")
+            f"{b['trainable (M)']:.1f} million, in proportion to r. Each trainable parameter costs 18 bytes (fp32 "
+            f"weight and gradient, two AdamW states, and the 16-bit copy autocast saves for backward): "
+            f"{b['adapter states']:.2f} GiB at r = {hi_r}, against {b['frozen base']:.2f} GiB of frozen base and "
+            f"{float(b['activations']):.2f} GiB of activations (the bytes saved for backward less the weight copies, "
+            f"{float(a['activations']):.2f} GiB at r = {lo_r}). ")
     if bigger:
         text += (f"So at the largest rank the adapters' states are no longer small: they exceed the "
-                 f"{' and the '.join(bigger)}. ")
+                 f"{' and the '.join(bigger)} at this batch of {lm_batch * lm_seq:,} tokens (the activations grow "
+                 f"with the tokens, the adapter states do not). ")
         small_r = [r for r in rank_ok.index if rank_ok.loc[r, "adapter states"] < 0.1 * rank_ok.loc[r, "frozen base"]]
         if small_r:
             text += f"Up to r = {max(small_r)} they are under a tenth of the frozen base. "
@@ -778,9 +870,31 @@ if len(rank_ok) >= 2:
         text += "Even at the largest rank the adapters' states stay below the frozen base and the activations. "
     if prof.on_gpu:
         text += f"The peak grew from {float(a['peak allocated']):.2f} to {float(b['peak allocated']):.2f} GiB. "
+    if prof.on_gpu and R in rank_timed and LORA in timings:
+        steps_ms = rank_ok["step (ms)"].astype(float)
+        busy = [t.gpu_busy for t in rank_timed.values() if t.gpu_busy is not None]
+        verdicts = sorted({t.verdict for t in rank_timed.values()})
+        same, here = timings[LORA].wall, rank_timed[R].wall
+        text += (f"Step times ranged from {steps_ms.min():.0f} ms (r = {steps_ms.idxmin()}) to {steps_ms.max():.0f} ms "
+                 f"(r = {steps_ms.idxmax()}) across the ranks, with IQRs up to "
+                 f"{rank_ok['step IQR (ms)'].astype(float).max():.0f} ms")
+        if busy:
+            busy_range = {f"{min(busy):.0%}", f"{max(busy):.0%}"}
+            text += (f" and the GPU busy {min(busy):.0%} to {max(busy):.0%} of the time" if len(busy_range) == 2
+                     else f" and the GPU busy {min(busy):.0%} of the time")
+        text += f" (verdicts: {listing(verdicts)})"
+        text += (": a host-bound step, whose time is set by launching its kernels, whose number the rank does not "
+                 "change, only their size. " if verdicts == ["host-bound"] else ". ")
+        diff = timing.difference(same, here)
+        text += (f"The same configuration, r = {R}, took {here.median * 1e3:.0f} ms (IQR {here.iqr * 1e3:.1f}) here "
+                 f"and {same.median * 1e3:.0f} ms (IQR {same.iqr * 1e3:.1f}) in the comparison above: "
+                 + ("within the noise of each other. " if diff == "within the noise" else
+                    f"{diff} here by more than the spread, a measure of how much this step's timing varies between "
+                    f"two runs. "))
     text += ("The LoRA paper found small ranks sufficient for the tasks it studied "
-             "(Hu et al., 2022), with the α/r scaling that section 6.1 discussed; "
-             "with rsLoRA's scaling, larger ranks learn faster, and the memory cost is then what limits the rank.")
+             "([Hu et al. (2022)](../book/references.md)), with the α/r scaling that section 6.1 discussed; "
+             "with rsLoRA's scaling, larger ranks keep improving the fine-tuned model "
+             "([Kalajdzievski (2023)](../book/references.md)), and memory, as measured here, then limits the rank.")
     display(Markdown(text))
 else:
     print("skipped: fewer than two ranks ran")
@@ -790,15 +904,18 @@ else:
 #
 # The runs of section 6.3 trained on `data.markov_lm_dataset`: sequences from a fixed random chain in which each of
 # 64 tokens has 4 equally likely successors, so the best possible loss is $\ln 4 \approx 1.386$ nats per token. The
-# same batches in the same order, the same number of steps; learning rates typical for each method (1e-4 for full
-# fine-tuning, 1e-3 for the adapters, both with 10 warm-up steps). A run that ran out of memory has no curve; the
-# table shows it as "—".
+# same batches in the same order, the same number of steps; learning rates ten times apart, as is usual between the
+# two methods (1e-4 for full fine-tuning, 1e-3 for the adapters, both with 10 warm-up steps). Both are about ten
+# times the usual values for a pretrained model (exercise 4), because this model starts from random weights. A run
+# that ran out of memory has no curve; the table shows it as "—".
 
 # %%
 floor = data.markov_loss_floor(4)
 assert math.isclose(floor, math.log(4))
 learn_names = [n for n, (_, steps) in CONFIGS.items() if steps == curve_steps]
 learn = {n: curves[n] for n in learn_names if len(curves[n]) == curve_steps}
+final = pd.Series({n: pd.Series(learn[n][-10:]).mean() if n in learn else float("nan") for n in learn_names},
+                  name="loss, last 10 steps (nats)")
 fig, ax = plt.subplots(figsize=(9, 4))
 for (name, losses), style in zip(learn.items(), ["-", "--", "-.", ":"]):
     ax.plot(range(1, len(losses) + 1), pd.Series(losses).rolling(5, min_periods=1).mean(), style, label=name)
@@ -806,14 +923,17 @@ for name in learn_names:
     if name not in learn:  # out of memory: say so in the legend instead of leaving the run out silently
         ax.plot([], [], " ", label=f"{name}: out of memory, no curve")
 ax.axhline(floor, color="grey", linestyle=":", label="best possible: ln 4")
-ax.set_ylim(bottom=0)
-ax.set_title("1.3B GPT-NeoX from random weights, Markov task (mean of 5 steps)")
+ax.set_yscale("log")  # the start near ln(vocabulary) and the tail near ln 4 on one axis
+ax.set_ylim(bottom=0.9 * floor)
+ended = final.dropna()
+loss_title = (f"Markov task from random weights, mean of 5 steps: after {curve_steps} steps the runs end within "
+              f"{ended.max() - ended.min():.2f} nats of each other, {ended.min() - floor:.2f} or more above ln 4"
+              if len(ended) >= 2 else "Markov task from random weights (mean of 5 steps)")
+ax.set_title(textwrap.fill(loss_title, 80), fontsize=10)
 ax.set_xlabel(f"training step (batch {lm_batch} x {lm_seq} tokens)")
-ax.set_ylabel("training loss (nats)")
+ax.set_ylabel("training loss (nats, log scale)")
 ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
 fig.tight_layout()
-final = pd.Series({n: pd.Series(learn[n][-10:]).mean() if n in learn else float("nan") for n in learn_names},
-                  name="loss, last 10 steps (nats)")
 final.map(lambda v: "—" if pd.isna(v) else f"{v:.3f}").to_frame()
 
 # %% tags=["remove-input"]
@@ -822,15 +942,24 @@ def loss_txt(name):
 
 
 text = (f"After {curve_steps} steps the mean loss of the last ten steps was "
-        + ", ".join(f"{loss_txt(n)} for {n}" for n in learn_names) + f", against the floor of {floor:.3f}. ")
-if LORA in learn and QLORA in learn:
-    gap = abs(final[LORA] - final[QLORA])
-    text += (f"LoRA and QLoRA end {gap:.3f} nats apart: " + (
-        "they follow each other, as QLoRA's authors found for NF4 against 16-bit bases (Dettmers et al., 2023). "
-        "This run compares the losses only; it does not measure how far the 4-bit base's outputs are from the 16-bit "
-        "one's." if gap < 0.05 else
-        "further apart than the 4-bit base alone should make them; the 8-bit optimizer is the other difference "
-        "(compare the LoRA run with the 8-bit AdamW)."))
+        + listing(f"{loss_txt(n)} for {n}" for n in learn_names) + f", against the floor of {floor:.3f}. ")
+if all(n in learn for n in (LORA, LORA8, QLORA)):
+    d_opt, d_base = final[LORA8] - final[LORA], final[QLORA] - final[LORA8]
+    sem = max(pd.Series(learn[n][-10:]).std() / math.sqrt(10) for n in (LORA, LORA8, QLORA))
+    text += (f"One change at a time: the 8-bit optimizer moved the final loss by {d_opt:+.3f} nats, the 4-bit base by "
+             f"{d_base:+.3f} (standard error of a ten-step mean: about {sem:.3f}; one seed). ")
+    text += ("Both are within twice that noise, consistent with what QLoRA's authors found for NF4 against 16-bit "
+             "bases and 8-bit against 32-bit optimizer states ([Dettmers et al. (2023)](../book/references.md)); this "
+             "run compares losses only, not how far the 4-bit base's outputs are from the 16-bit one's. "
+             if max(abs(d_opt), abs(d_base)) <= 2 * sem else
+             "At least one change moved the loss by more than twice that noise; one seed cannot say whether it would "
+             "again. ")
+    smooth = pd.DataFrame({n: pd.Series(learn[n]).rolling(5, min_periods=1).mean() for n in (LORA, LORA8, QLORA)})
+    apart = smooth.max(axis=1) - smooth.min(axis=1)
+    if apart.idxmax() + 1 <= curve_steps - 10:
+        text += (f"The three curves are furthest apart at step {apart.idxmax() + 1} ({apart.max():.2f} nats in the "
+                 f"five-step mean), before the last ten steps; a single seed says little about such a difference "
+                 f"on the way.")
 display(Markdown(text))
 
 # %% [markdown]
@@ -982,15 +1111,18 @@ ft[summary_cols].astype(object).where(ft[summary_cols].notna(), "—")
 #   parameter of model states. LoRA and QLoRA fit: gradients and optimizer states nearly vanish, QLoRA's 4-bit base
 #   shrinks the weights (most of its saving over LoRA), and the activations stay.
 # - At small ranks the adapters cost little memory; at the largest ranks their states (16 bytes per trainable
-#   parameter) rival the frozen base. From the papers' byte counts, LoRA's 1.2 TB to 350 GB for GPT-3 and QLoRA's
-#   65B model on a 48 GB card follow from bytes per parameter alone.
+#   parameter, 18 with autocast's 16-bit copies) rival the frozen base and, at this chapter's 1,024 tokens per step,
+#   the activations.
+# - From bytes per parameter alone, LoRA's 350 GB and 35 MB for GPT-3, QLoRA's "more than 780 GB" and its 65B model
+#   on a 48 GB card follow; the paper's 1.2 TB for full fine-tuning of GPT-3 is matched only approximately (8 bytes
+#   per parameter give 1.27 TiB).
 
 # %% tags=["remove-input"]
 if prof.on_gpu:
-    peaks = "; ".join(f"{n}: {gib(n, 'peak allocated')} GiB" for n in ft.index)
+    peaks = "; ".join(f"{n}: {gib(n, 'peak allocated')}" for n in ft.index)
     display(Markdown(f"In this run: {trainable:,} trainable parameters in section 6.1 ({100 * trainable / n_base:.2f}% "
                      f"of the model), an adapter checkpoint {sizes.iloc[3]:,.0f} times smaller than the model's, "
-                     f"and these peaks (\"—\": out of memory): {peaks}."))
+                     f"and these peaks: {peaks}."))
 else:
     print("skipped on CPU: the peaks need a GPU")
 
