@@ -82,8 +82,8 @@ pd.options.display.float_format = "{:,.2f}".format
 prof = profiles.get()
 SCRIPTS = Path("scripts")  # the launched scripts, next to this notebook
 WORK = Path("trainer_tmp_ch7")  # the launched processes write their results here; removed at the end
-env.report(prof)
 chapter_baseline_mib = torch.cuda.memory_allocated() / MIB if prof.on_gpu else 0.0  # this process's; checked at the end
+env.report(prof)
 
 # %% [markdown]
 # ## 7.1 Data parallelism: every GPU a replica, gradients averaged
