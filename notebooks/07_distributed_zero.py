@@ -799,7 +799,7 @@ else:
 # The link's nominal bandwidth: `nvidia-smi nvlink -s` lists each NVLink of a GPU with the speed the driver
 # reports for it. NVIDIA's H200 datasheet ([NVIDIA (2024)](../book/references.md)) gives 900 GB/s of NVLink
 # bandwidth per GPU, counted in both directions together: 450 GB/s each way, the number a bus bandwidth is held
-# against. The driver's per-link figures, summed, need not equal the datasheet's exactly; both are drawn where
+# against (the H100 SXM has the same fourth-generation NVLink, 18 links per GPU, so the same figure holds for it). The driver's per-link figures, summed, need not equal the datasheet's exactly; both are drawn where
 # found, and the text below uses the datasheet's where it knows the GPU. Neither is reachable in practice: NCCL's
 # maintainer puts NCCL's protocol overhead on NVLink at about 20%, which leaves an effective 370 GB/s of the
 # H100's 450 GB/s line rate, the bus bandwidth to expect from a ring ([Jeaugey (2024)](../book/references.md),
