@@ -646,8 +646,13 @@ else:
 # %% [markdown]
 # *A caveat on the sentence above.* The padded and length-grouped batches pass an `attention_mask` (their
 # padding), so SDPA receives a mask in those rows too, not only in the packed one; which attention kernel each
-# batching ran was not read from the profiler here. The measured gain of packing is therefore a comparison of
-# slots computed, not of attention kernels.
+# batching ran was not read from the profiler here. The measured gains therefore compare whole passes, in which
+# both the slots computed and the number of calls change, not attention kernels. The length-grouped row separates
+# the two: it computes fewer slots in as many batches as the padded row. Where it is no faster than the padded
+# row, the pass's time follows the number of batches (each batch's fixed cost: launches and the host's work)
+# rather than the slots, and packing's gain then comes mostly from its fewer, larger batches, not from the padding
+# it removes. In the committed run the length-grouped batches held 8,816 token slots against 11,752 and took
+# 301.08 ms against 301.02 ms.
 
 # %% [markdown]
 # ## 9.3 `torch.compile`
@@ -664,7 +669,8 @@ else:
 # - `reduce-overhead`: fusion, then the whole compiled graph is recorded as a CUDA graph and replayed,
 #   which removes launch overhead (section 9.4 does the same by hand).
 #
-# `max-autotune` also benchmarks several kernel variants per matrix product; it takes minutes per model,
+# `max-autotune` benchmarks several kernel variants per matrix product and, like `reduce-overhead`, replays
+# CUDA graphs; it takes minutes per model,
 # more than this chapter's budget, so it is left to an exercise.
 #
 # Both models use **regional compilation**: compile each transformer layer (`layer.compile()`) instead of
@@ -677,7 +683,8 @@ else:
 # masks, the final norm, the loss and the optimizer step stay eager: no row of this section compiles the whole
 # training step (model and optimizer together), and `reduce-overhead` graphs only the layers. Each model is timed eager first, then compiled, on the same
 # weights and batch; compile time is the first compiled step's time minus an eager step. `reduce-overhead`
-# runs first on bert-large, because it is the mode a host-bound step needs.
+# runs first on bert-large, because it also removes launch overhead, which matters wherever the GPU waits for the
+# host (the GPU-busy column shows how often it does).
 
 # %%
 SETUPS = {
@@ -914,6 +921,16 @@ else:
     print("skipped on CPU: no compilation ran")
 
 # %% [markdown]
+# *On the bert-large `default` bullet above.* In the committed run the eager bert-large step sat at the book's
+# GPU-bound threshold (GPU busy 80%), so the bullet printed its GPU-bound explanation, but the rows around it do not
+# support it. Compilation did replace work: the element-wise and normalisation kernels fell from 26.4 to 14.1 ms
+# per step, while the matrix products (20.8 against 20.7 ms) and attention (7.6 ms) stayed. The step still did
+# not get faster (81.7 ms, IQR 25.1, against 80.8 ms) because the GPU was then busy only 64% of it: it waited for
+# the host. Removing launches did help: the `reduce-overhead` row, the same compiled layers replayed from a CUDA
+# graph, kept the GPU busy 94% of the step and took 55.9 ms. Read the `default` row as a step that compilation made
+# host-limited, not as one whose time is all in matrix products and attention.
+
+# %% [markdown]
 # *Why per layer, and not the whole model.* Compiling bert-large whole also traces transformers' code that
 # builds the attention mask. In the transformers version of this book's run (5.17), that code drops the mask (so
 # that SDPA may pick any fused kernel) only when it is *not* tracing, and it counts `torch.compile` and
@@ -940,8 +957,11 @@ else:
 # ```python
 # counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
 # layer_c = torch.compile(layer, backend=counter, dynamic=False)
-# ... counter.frame_count   # graphs compiled since the reset (the first, plus each recompilation)
+# ... counter.frame_count   # graphs compiled since the reset: each compilation of the layer adds one or more graphs
 # ```
+#
+# The table's "compiled a graph" column is what counts as a (re)compilation; the cumulative count of graphs grows
+# by more than one per compilation when the layer's code is split into several graphs.
 
 # %%
 recompiles = None
@@ -1148,6 +1168,12 @@ if profiles.cuda_or_skip("the kernel names under compilation and capture need a 
     if mask_strides is not None:
         display(mask_strides)
 
+# %% [markdown]
+# *Reading the second table.* pandas cuts a cell after 50 characters, so the rows that end in "…" lose their last
+# stride and their dtype. Their visible strides, 262144 = 512 × 512 and then 512, are those of a mask laid out in
+# memory; the `attention_mask=None` row, short enough to be printed whole, ends in a stride of 0: an expanded view
+# of a single all-True row, which is what the fused kernels refuse.
+
 # %% tags=["remove-input"]
 if mask_probe is not None:
     def is_fused(label):
@@ -1321,10 +1347,12 @@ cleanup.collect()
 # - `persistent_workers=True`: the workers survive the end of an epoch instead of being started again.
 #
 # `data.TokenizingDataset` does real CPU work per sample: it builds a pseudo-text and tokenises it with a
-# pure-Python greedy sub-word matcher, as an on-the-fly tokenizer would. A stall is only visible when the
-# step itself keeps the GPU busy, so the step here is bert-large at batch 64 of 128 tokens (8,192 tokens, as
+# pure-Python greedy sub-word matcher, as an on-the-fly tokenizer would. A stall is easiest to read when the
+# step itself is long enough to hide the loader's work behind it, so the step here is bert-large at batch 64 of 128 tokens (8,192 tokens, as
 # many as section 9.3's bert-large step of 16 x 512), and the text length (`words`) is calibrated on this CPU so that
-# tokenising one batch takes about `LOAD_TARGET_MS` milliseconds, of the order of the step itself:
+# tokenising one batch takes about `LOAD_TARGET_MS` milliseconds, of the order of the step itself (the first row
+# of the table below says how busy the step keeps the GPU on your machine: on a host shared with other work it can
+# be host-bound itself, and then the loader's workers and the step compete for the same CPU cores):
 
 # %%
 LOAD_BATCH = prof.pick(tiny=8, full=64)
@@ -1496,7 +1524,10 @@ if load_timed:
 # The committed outputs come from a machine whose other GPUs ran other chapters at the same time (the
 # [status page](../book/status.md) says how each chapter was run), so the host's speed could change between
 # two rows. The persistent-workers row is the control: within an epoch it is the pinned row again, and any
-# difference between the two is that variation.
+# difference between the two is that variation. In the committed run the stall (217 ms) is larger than the
+# tokenising it contains (about 141 ms), and the `num_workers=0` row's IQR is 133.17 ms: collating and the host's
+# variation add to the stall, and its size is known only roughly. The verdict (slower than the reference, and four
+# workers removing it) does not depend on that.
 
 # %%
 cleanup.free(globals(), "tok_ds", "probe_ds")
@@ -1725,16 +1756,20 @@ else:
 # 3. Try `mode="max-autotune"` on bert-large. How long does it compile, and does the step beat `default`?
 #    <details><summary>Hint</summary>Set a timer around the first step; autotuning benchmarks several kernel
 #    configurations per matrix product.</details>
-#    <details><summary>Answer</summary>Expect minutes of compilation. On a GPU-bound bert-large step most of the
-#    time is in matrix products that cuBLAS already runs well, so the gain, if any, is small next to the
-#    spread; autotuning pays when the same shapes run for many hours.</details>
+#    <details><summary>Answer</summary>Expect minutes of compilation. `max-autotune` also replays the compiled
+#    code from CUDA graphs, as `reduce-overhead` does, so wherever the `default` step leaves the GPU idle (section
+#    9.3's GPU-busy column) it gains what `reduce-overhead` gained; compare it with `reduce-overhead`, not only with
+#    `default`, to see what the autotuning itself adds. That part can only speed up the matrix products and the
+#    generated kernels, and cuBLAS already runs the products well, so expect it to be small next to the spread;
+#    autotuning pays when the same shapes run for many hours.</details>
 # 4. In section 9.5, make the tokenisation cheaper (`LOAD_TARGET_MS = 20`). At which `num_workers` does the
 #    step stop getting faster?
 #    <details><summary>Hint</summary>The reference row (batches already on the GPU) is the floor no loader
 #    setting can beat. Compare the per-batch tokenising time (the cell that times one sample, times the batch)
 #    with it.</details>
 #    <details><summary>Answer</summary>Once the per-batch CPU time divided by the workers is well below the
-#    step's own time (GPU time, or the host's launch time when the step is host-bound as here), more workers
+#    step's own time (GPU time, or the host's launch time when the step is host-bound, as the reference row's
+#    verdict says whether it is), more workers
 #    change nothing: with cheap samples, two workers or even none may suffice. Differences smaller than the
 #    IQR do not count.</details>
 #

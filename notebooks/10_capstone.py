@@ -860,6 +860,16 @@ else:
     print("skipped on CPU: MFU and GPU-busy need a GPU (the tiny models' CPU times say nothing about a GPU)")
 
 # %% [markdown]
+# *On the host-bound rungs above.* In the committed run no part of the GPU's saving reached bert-large's wall time
+# on the two rungs named: with SDPA the GPU time per sample fell (1.06x) while the step measured slower (0.96x), and
+# with bf16 autocast the GPU time fell 3.84x while the step stayed within the noise (0.98x). The SDPA rung's
+# slowdown is on the host, not in the attention kernel: at batch 4 the step is as long as the CPU takes to issue
+# its kernels, and on a host shared with other work (the [status page](../book/status.md) says how this chapter
+# was run) that time can change between two timed runs by more than one run's IQR shows; this run does not
+# separate the two. On the 1.3B model's autocast rung part of the saving did reach the wall time (2.44x against
+# 4.44x of GPU time).
+
+# %% [markdown]
 # A reading note on the knee: when the rule keeps the largest of the three batch sizes tried (the sentences
 # above list the three throughputs), the search shows only that throughput still grew at the last step, not
 # that it has flattened there; a larger batch, where it fits, may be faster still. The rung is then "the
@@ -1102,8 +1112,8 @@ if recipe_run is not None:
 #    about a third more compute (chapter 4), 8-bit states cost little time (chapter 5).</details>
 #    <details><summary>Answer</summary>Every full fine-tuning plan that fits needs 8-bit (or factored)
 #    optimizer states *and* one more saving: micro-batches with accumulation, or checkpointing, which costs
-#    the most time. Paged states allow the micro-batch plan, but the emulated cap cannot check them (section
-#    10.4). LoRA fits with no other change but trains a small fraction of the parameters; on a T4 its base
+#    the most time. The micro-batch plan needs paged 8-bit states, which the emulated cap cannot check (section
+#    10.4), or factored (Adafactor) states, which cost more time. LoRA fits with no other change but trains a small fraction of the parameters; on a T4 its base
 #    must be fp16, which is why section 10.4 asks <code>plan.suggest(setup, budget, half="fp16")</code>.</details>
 # 3. **One more rung.** Add CUDA graphs (chapter 8, section 8.3) to the bert-large ladder at batch 4. Does it
 #    pay at the knee's batch, too?
