@@ -455,7 +455,8 @@ Code(inspect.getsource(zero_script.wrap), language="python")
 # the bytes of whole parameters it holds right after the forward pass (*gathered*), its peak allocated
 # memory (GPU only) and the time of each of its timed steps (after untimed warm-up steps). The full profile
 # trains the 1.3B GPT-NeoX at batch 4 per rank, sequence 256; we launch it on 1 GPU and on 2, and 4 GPUs would
-# be next. On the world size of 2, each rank also records one more step with the profiler, for section 7.7.
+# be next. On the world size of 2, each rank also trains one more step, which rank 0 records with the profiler,
+# for section 7.7.
 #
 # The runs on one GPU hold everything: 16 bytes per parameter, FSDP's gathered copy beside its shards (4 more),
 # the optimizer step's temporary buffers and the activations. Where the GPU's free memory is smaller than that
@@ -515,7 +516,8 @@ assert (results["status"] == "ok").all(), (
 # One row per world size and strategy; where the ranks differ (ZeRO-1 splits the optimizer by whole
 # parameters, so its shares need not be equal) the row shows the rank that holds the most. On a GPU,
 # *allocated at start* is what was still allocated when the strategy began, in the process that had just run
-# the previous one: 0 when everything was given back. Beside it, the
+# the previous one: 0 when everything was given back, or a few tens of MiB when the previous strategy's matrix
+# products left their cuBLAS workspaces behind (see the end of this chapter, and chapter 4). Beside it, the
 # formula for the same $\Psi$, with 4-byte parameters and gradients and $K = 8$:
 
 # %%
@@ -552,7 +554,8 @@ table
 #   after the forward pass. The paper's ZeRO-2 keeps whole parameters instead of shards; FSDP keeps the
 #   shards *and* gathers, so its ZeRO-2 row exceeds the formula by one parameter shard, $4\Psi/N$.
 # - On one GPU, FSDP shards nothing, and with `reshard_after_forward=False` it still gathers a second, whole
-#   copy of the parameters: on one GPU it only costs.
+#   copy of the parameters: on one GPU it only costs (in memory held from forward to backward; whether the peak
+#   shows it depends on where in the step the peak falls).
 #
 # The accounting counts tensors; the allocator (on a GPU) counts everything: activations, the gathered
 # parameters of the layer being computed, the optimizer's temporary buffers. The figure shows what each rank
@@ -797,7 +800,8 @@ else:
 
 # %% [markdown]
 # The link's nominal bandwidth: `nvidia-smi nvlink -s` lists each NVLink of a GPU with the speed the driver
-# reports for it. NVIDIA's H200 datasheet ([NVIDIA (2024)](../book/references.md)) gives 900 GB/s of NVLink
+# reports for it. NVIDIA's datasheets for the H100 SXM and the H200 (the latter: [NVIDIA (2024)](../book/references.md))
+# give 900 GB/s of NVLink
 # bandwidth per GPU, counted in both directions together: 450 GB/s each way, the number a bus bandwidth is held
 # against (the H100 SXM has the same fourth-generation NVLink, 18 links per GPU, so the same figure holds for it). The driver's per-link figures, summed, need not equal the datasheet's exactly; both are drawn where
 # found, and the text below uses the datasheet's where it knows the GPU. Neither is reachable in practice: NCCL's
@@ -879,6 +883,14 @@ else:
     print("skipped on CPU: gloo's bandwidth between CPU processes says nothing about a GPU link"
           if not prof.on_gpu else "skipped: no collectives measured on one GPU")
 
+
+# %% [markdown]
+# *On the bandwidth sentence above.* In the committed run "at the practical ceiling" holds for broadcast (366.14
+# GB/s at 4,096 MiB, 99% of 370) but only approximately for all-reduce: its bus bandwidth was still rising at the
+# largest message (318.56 GB/s at 1,024 MiB, 336.10 at 4,096 MiB). Reduce-scatter and all-gather, the collectives
+# FSDP uses and operations of the kind for which [Jeaugey (2024)](../book/references.md) quotes the 370 GB/s,
+# reached 278.59 and 283.63 GB/s at 4,096 MiB, about three quarters of it; this run does not show why.
+
 # %% [markdown]
 # ### Each engine's bytes per step: formula and profiler
 #
@@ -958,6 +970,15 @@ if prof.on_gpu and 2 in world_sizes:
 else:
     print("skipped on CPU: no communication kernels to hold against the formula" if not prof.on_gpu
           else "skipped: no 2-GPU run to trace")
+
+
+# %% [markdown]
+# *On the growth sentence above.* In the committed run only DDP's growth (18.6 ms, with 1.5 ms of exposed
+# communication) is the case the last sentence describes. For ZeRO-1 (14.1 ms, 18.2 ms exposed) and ZeRO-3
+# (8.5 ms, 20.8 ms exposed) the exposed communication is larger than the growth: the growth is the difference
+# between two whole steps, and on two GPUs these engines also do less of other work per rank (each rank's optimizer
+# step updates only its share of the parameters), which can offset part of the communication; this run does not
+# measure that part. ZeRO-2's step did not grow beyond the noise (section 7.4), so it is not listed.
 
 # %% [markdown]
 # Reading the *calls* column: DDP all-reduces its gradients in buckets (one call per bucket) and, before
