@@ -138,3 +138,37 @@ def free(namespace: dict[str, Any], *names: str) -> Freed:
     return Freed(
         removed, before["allocated_mib"], after["allocated_mib"], before["reserved_mib"], after["reserved_mib"], alive
     )
+
+
+def back_at_baseline(baseline_mib: float, tolerance_mib: float = 0.01) -> dict[str, float]:
+    """Release what a chapter still holds and check that allocated GPU memory is back at ``baseline_mib``.
+
+    Collects garbage and reads the allocated memory; releases the cuBLAS workspaces (cuBLAS keeps one
+    per handle and stream that ran a matrix product, the autograd engine's thread included, until told
+    to let go; this uses PyTorch's own private call, ``torch._C._cuda_clearCublasWorkspaces``); collects
+    again and reads it once more. Returns the three numbers in MiB, labelled for a table: allocated
+    before clearing the workspaces, at the end, and ``baseline_mib`` (the start).
+
+    Raises ``AssertionError`` saying how many MiB are still allocated when the end exceeds the baseline
+    by more than ``tolerance_mib`` (a leak), and ``RuntimeError`` when CUDA is not in use: a chapter's
+    CPU path prints its ``skipped on CPU`` line instead of calling this.
+
+    >>> rows = back_at_baseline(baseline_mib)      # the last cell of a chapter, on a GPU
+
+    Introduced in chapter 3 (its last cell); chapter 8 uses it too.
+    """
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        raise RuntimeError("back_at_baseline checks GPU memory: CUDA is not in use in this process")
+    collect()
+    held_mib = torch.cuda.memory_allocated() / 2**20
+    torch._C._cuda_clearCublasWorkspaces()
+    collect()
+    end_mib = torch.cuda.memory_allocated() / 2**20
+    assert end_mib <= baseline_mib + tolerance_mib, (
+        f"{end_mib - baseline_mib:.2f} MiB still allocated at the end (start {baseline_mib:.2f} MiB): a leak"
+    )
+    return {
+        "allocated before clearing the cuBLAS workspaces (MiB)": held_mib,
+        "allocated at the end (MiB)": end_mib,
+        "allocated at the start (MiB)": baseline_mib,
+    }

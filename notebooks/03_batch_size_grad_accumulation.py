@@ -617,7 +617,7 @@ display(Markdown(
 # %%
 runs = {}
 for label, bs, steps_per_update in [(f"batch {micro_bs * n_accum}", micro_bs * n_accum, 1),
-                                    (f"{n_accum} x {micro_bs}, accumulated", micro_bs, n_accum)]:
+                                    (f"{n_accum} accumulated micro-batches of {micro_bs}", micro_bs, n_accum)]:
     model_run = build_small()
     optimizer = torch.optim.AdamW(model_run.parameters(), lr=small_lr)
     batches = [to_device(b) for b in train.batches(markov, bs, shuffle=False)]
@@ -1204,15 +1204,7 @@ closing[[c for c in order if c in closing.columns]]
 # then check that the chapter ends where it began, after the setup's warm-up:
 
 # %%
-cleanup.collect()
-if prof.on_gpu:
-    held_mib = torch.cuda.memory_allocated() / MIB
-    torch._C._cuda_clearCublasWorkspaces()  # PyTorch's own (private) call for this
-    cleanup.collect()
-    end_mib = torch.cuda.memory_allocated() / MIB
-    display(pd.Series({"allocated before clearing the cuBLAS workspaces (MiB)": held_mib,
-                       "allocated at the end (MiB)": end_mib,
-                       "allocated at the start (MiB)": chapter_baseline_mib}).to_frame("value"))
-    assert end_mib <= chapter_baseline_mib + 0.01, f"{end_mib - chapter_baseline_mib:.2f} MiB still allocated: a leak"
+if prof.on_gpu:  # releases the workspaces, then asserts that allocated memory is back at the start
+    display(pd.Series(cleanup.back_at_baseline(chapter_baseline_mib)).to_frame("value"))
 else:
     print("skipped on CPU: no GPU memory to check")

@@ -1207,21 +1207,12 @@ else:
 # held, and check that the chapter ends where it began:
 
 # %%
-cleanup.collect()
-if prof.on_gpu:
-    held_mib = torch.cuda.memory_allocated() / MIB
-    torch._C._cuda_clearCublasWorkspaces()  # PyTorch's own (private) call for this
-    cleanup.collect()
-    end_mib = torch.cuda.memory_allocated() / MIB
-    in_pools_mib = sum(b["size"] for seg in torch.cuda.memory._snapshot()["segments"]
-                       if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)
-                       for b in seg["blocks"] if b["state"] == "active_allocated") / MIB
-    display(pd.Series({
-        "allocated before clearing the cuBLAS workspaces (MiB)": held_mib,
-        "allocated at the end (MiB)": end_mib,
-        "of which in CUDA-graph private pools (MiB)": in_pools_mib,
-        "allocated at the start (MiB)": baseline_mib,
-    }).to_frame("value"))
-    assert end_mib <= baseline_mib + 0.01, f"{end_mib - baseline_mib:.2f} MiB still allocated: something leaked"
+if prof.on_gpu:  # releases the workspaces, then asserts that allocated memory is back at the start
+    rows = cleanup.back_at_baseline(baseline_mib)
+    rows["of which in CUDA-graph private pools (MiB)"] = sum(
+        b["size"] for seg in torch.cuda.memory._snapshot()["segments"]
+        if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)
+        for b in seg["blocks"] if b["state"] == "active_allocated") / MIB
+    display(pd.Series(rows).to_frame("value"))
 else:
     print("skipped on CPU: no GPU memory to check")

@@ -86,3 +86,50 @@ def test_free_gives_cuda_memory_back():
     freed = cleanup.free(ns, "x")
     assert freed.allocated_freed_mib == pytest.approx(256.0)
     assert freed.reserved_freed_mib >= 256.0
+
+
+def _fake_cuda(monkeypatch, readings_mib):
+    """CUDA 'in use' with allocated-memory readings (MiB) taken in order; the workspace release is recorded."""
+    readings = iter(r * 2**20 for r in readings_mib)
+    released = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: next(readings))
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: released.append(True), raising=False)
+    monkeypatch.setattr(cleanup, "collect", lambda: None)
+    return released
+
+
+def test_back_at_baseline_releases_the_workspaces_and_reports_the_three_numbers(monkeypatch):
+    released = _fake_cuda(monkeypatch, [65.0, 2.0])
+    rows = cleanup.back_at_baseline(2.0)
+    assert released == [True]
+    assert list(rows.values()) == [65.0, 2.0, 2.0]
+    assert list(rows) == ["allocated before clearing the cuBLAS workspaces (MiB)", "allocated at the end (MiB)",
+                          "allocated at the start (MiB)"]
+
+
+def test_back_at_baseline_names_a_leak_in_mib(monkeypatch):
+    _fake_cuda(monkeypatch, [70.0, 7.0])
+    with pytest.raises(AssertionError, match=r"5\.00 MiB still allocated"):
+        cleanup.back_at_baseline(2.0)
+
+
+def test_back_at_baseline_refuses_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="CUDA is not in use"):
+        cleanup.back_at_baseline(0.0)
+
+
+@pytest.mark.gpu
+def test_back_at_baseline_on_a_gpu_catches_a_held_tensor_and_passes_once_it_is_freed():
+    torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")  # a matrix product: a cuBLAS workspace
+    torch._C._cuda_clearCublasWorkspaces()
+    cleanup.collect()
+    start = torch.cuda.memory_allocated() / 2**20
+    x = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
+    with pytest.raises(AssertionError, match=r"64\.00 MiB still allocated"):
+        cleanup.back_at_baseline(start)
+    del x
+    rows = cleanup.back_at_baseline(start)
+    assert rows["allocated at the end (MiB)"] <= start + 0.01
