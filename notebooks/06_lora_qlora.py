@@ -161,7 +161,7 @@ def add_lora(model, targets, r, alpha, dropout=0.0):
 
 # %%
 R, ALPHA, DROPOUT, TARGETS = 8, 16, 0.05, ("query_key_value", "dense")
-lm_seq, lm_batch = prof.pick(tiny=64, full=256), 4
+lm_seq, lm_batch = prof.pick(tiny=16, full=256), 4  # tiny: a CPU without bf16 instructions is slow at bf16
 ds_lm = data.markov_lm_dataset(lm_batch * 100, lm_seq, seed=0)
 check = {k: v.to(dev) for k, v in ds_lm[:2].items()}
 
@@ -423,7 +423,7 @@ def qlora():
 # by accounting (all weights and the trainable ones, gradients after `backward()`, optimizer states after `step()`),
 # the bytes saved for backward in step 2 (`SavedTensorMeter`) and the autocast weight copies among them, the peak
 # allocated memory over the whole run, the loss of every step, and how many of the optimizer's state tensors bitsandbytes paged. After training, `time_it` times
-# ten more steps on one batch (after three warm-up steps), with the GPU-busy fraction. An out-of-memory error is
+# ten more steps on one batch (after three warm-up steps; on a CPU, three after one), with the GPU-busy fraction. An out-of-memory error is
 # caught and reported with the phase it happened in.
 
 # %%
@@ -475,7 +475,8 @@ def run(build, steps, busy=True):
         if prof.on_gpu:
             rec["peak"] = measure.allocator_mib()["peak_allocated_mib"] * MIB / GIB
         where = "timing"
-        timed = timing.time_it(lambda: step(batch), device=dev, warmup=3, repeat=10, busy=busy)
+        timed = timing.time_it(lambda: step(batch), device=dev, busy=busy,
+                               warmup=prof.pick(tiny=1, full=3), repeat=prof.pick(tiny=3, full=10))
     except torch.OutOfMemoryError:
         return {"result": f"out of memory ({where})"}, losses, None
     row = {"result": "ok", "trainable parameters": rec["trainable"],
@@ -495,7 +496,7 @@ def run(build, steps, busy=True):
 # loss curves. Memory columns are in GiB.
 
 # %%
-curve_steps = prof.pick(tiny=20, full=100)
+curve_steps = prof.pick(tiny=10, full=100)
 budget = None
 if profiles.cuda_or_skip("emulating the T4's memory needs a GPU; on a CPU the runs are not capped"):
     cleanup.free(globals())

@@ -56,12 +56,26 @@ def sanitize(text: str, sanitizers: list[tuple[re.Pattern, str]]) -> str:
 
 
 def output_text(cell: dict) -> str:
-    """A code cell's comparable text: its streams and text/plain results, in order (no images, no HTML)."""
-    parts = []
+    """A code cell's comparable text: its streams and text/plain results, in order (no images, no HTML).
+
+    Consecutive stdout chunks are one stream: where the kernel split it depends on when it flushed, so the
+    chunks are concatenated as they are (joining them with a newline would add a blank line wherever a flush
+    fell, and two runs of the same code would differ); stderr and figures, not compared, do not split it. Other
+    outputs are separated by a newline.
+    """
+    parts: list[str] = []
+    in_stream = False
     for out in cell.get("outputs", []):
         if out.get("output_type") == "stream" and out.get("name") == "stdout":
             text = out.get("text", "")
-        elif out.get("output_type") in ("execute_result", "display_data"):
+            text = "".join(text) if isinstance(text, list) else text
+            if in_stream:
+                parts[-1] += text
+            else:
+                parts.append(text)
+            in_stream = True
+            continue
+        if out.get("output_type") in ("execute_result", "display_data"):
             data = out.get("data", {})
             if any(k.startswith("image/") for k in data):
                 continue  # a figure: its text/plain is only its repr ("<Figure size ...>"); images are not compared
@@ -69,8 +83,9 @@ def output_text(cell: dict) -> str:
         elif out.get("output_type") == "error":
             text = f"{out.get('ename')}: {out.get('evalue')}"
         else:
-            continue
+            continue  # stderr (warnings) is not compared and does not split the stdout stream
         parts.append("".join(text) if isinstance(text, list) else text)
+        in_stream = False
     return "\n".join(parts)
 
 

@@ -104,3 +104,18 @@ def test_a_figure_is_not_compared_even_through_its_text_repr():
     with_fig = {"cell_type": "code", "outputs": [table, figure]}
     without = {"cell_type": "code", "outputs": [table]}
     assert gpu_check.output_text(with_fig) == gpu_check.output_text(without) == "peak 1,024.00 MiB\n"
+
+
+def test_stdout_split_into_chunks_by_a_flush_compares_equal_to_one_chunk():
+    # Chapter 10's planner printout came back from an H100 re-run as one chunk where the committed run had two:
+    # joining chunks with a newline had added a blank line and made the same output differ.
+    def stdout(text):
+        return {"output_type": "stream", "name": "stdout", "text": text}
+
+    warning = {"output_type": "stream", "name": "stderr", "text": "UserWarning: ...\n"}
+    two = {"cell_type": "code", "outputs": [stdout("verdict: fits\n"), warning, stdout("cheapest changes:\n  x1.00\n")]}
+    one = {"cell_type": "code", "outputs": [stdout("verdict: fits\ncheapest changes:\n  x1.00\n")]}
+    assert gpu_check.output_text(two) == gpu_check.output_text(one) == "verdict: fits\ncheapest changes:\n  x1.00\n"
+    table = {"output_type": "execute_result", "data": {"text/plain": "peak  1.00 GiB"}}
+    after = {"cell_type": "code", "outputs": [stdout("a\n"), table, stdout("b\n")]}
+    assert gpu_check.output_text(after) == "a\n\npeak  1.00 GiB\nb\n"
