@@ -20,7 +20,8 @@ something that cannot change an output), with a reason::
 
 An allowance names the new content's sha256 (the check prints it), so a later edit is not covered by
 it; ``"*"`` applies to every notebook. A notebook without a stamp (executed before stamping existed)
-is reported as such and passes, unless it is listed in ``require_stamp``.
+is reported as such and passes, unless it is listed in ``require_stamp`` (``"*"`` there: every
+notebook must carry a stamp, as every chapter does since chapter 8's first stamped run).
 
 Raw MyST roles. Jupyter and Colab show a role such as ``{glue:text}`x``` literally, so a chapter's
 markdown should carry none (sentences with run numbers are rendered by code cells). Chapters written
@@ -95,7 +96,7 @@ def stamp_status(path: Path, nb: dict, helpers: Path = HELPERS, allowances: dict
     allowances = load_allowances(path.parent) if allowances is None else allowances
     stamp = nb.get("metadata", {}).get("gpubook", {}).get("execution")
     if not stamp:
-        if path.name in allowances["require_stamp"]:
+        if path.name in allowances["require_stamp"] or "*" in allowances["require_stamp"]:
             return [f"no execution stamp, but {ALLOWANCES} requires one (execute it with "
                     "scripts/execute_notebooks.py)"], "not stamped"
         return [], "not stamped (executed before stamping)"

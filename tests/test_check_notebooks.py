@@ -105,6 +105,10 @@ def test_an_unstamped_notebook_passes_unless_a_stamp_is_required(tmp_path, helpe
     assert problems == [] and note == "not stamped (executed before stamping)"
     required = {"require_stamp": [path.name], "allow": {}}
     assert any("requires one" in p for p in check_notebooks.check(path, helpers, required))
+    everyone = {"require_stamp": ["*"], "allow": {}}
+    assert any("requires one" in p for p in check_notebooks.check(path, helpers, everyone))
+    others = {"require_stamp": ["01_other.ipynb"], "allow": {}}
+    assert check_notebooks.check(path, helpers, others) == []
 
 
 def test_a_changed_code_cell_makes_the_outputs_stale(tmp_path, helpers):
