@@ -155,7 +155,7 @@ def back_at_baseline(baseline_mib: float, tolerance_mib: float = 0.01) -> dict[s
 
     >>> rows = back_at_baseline(baseline_mib)      # the last cell of a chapter, on a GPU
 
-    Introduced in chapter 3 (its last cell); chapter 8 uses it too.
+    Introduced in chapter 3's last cell (Memory back at the baseline); chapter 8's last cell uses it too.
     """
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         raise RuntimeError("back_at_baseline checks GPU memory: CUDA is not in use in this process")

@@ -27,7 +27,7 @@
 # **What you will learn**
 #
 # - how training memory splits into a fixed part (weights, optimizer states) and a part per sample
-#   (activations), measured and fitted on two models, and where throughput stops growing with the batch;
+#   (activations), measured and fitted on two models, and how far throughput grows with the batch;
 # - how to search for the largest batch that fits: try, catch `torch.OutOfMemoryError`, free, back off,
 #   and check that nothing leaked;
 # - how to write gradient accumulation, and how to check that it is right: gradients and a whole training
@@ -500,8 +500,9 @@ else:
 
 
 # %% [markdown]
-# The largest batch that fits is rarely the one to train with: section 3.1 showed that throughput stopped
-# growing long before. A search like this answers a different question: how much headroom a setup has, and
+# The largest batch that fits is not automatically the one to train with: once the GPU is busy nearly all the
+# time (section 3.1), a larger batch buys little speed, and beyond that the batch size is a question of
+# optimisation. A search like this answers a different question: how much headroom a setup has, and
 # whether a batch size found on one card will survive on another. (Leave some room: a real dataset's
 # longest sequences, or a different allocator state, can need more than random data of fixed length.)
 # Accelerate offers the same idea as a decorator, `accelerate.utils.find_executable_batch_size`, which starts
@@ -803,6 +804,14 @@ if prof.on_gpu:
 else:
     print("skipped on CPU: the T4 budget, peak memory and GPU-busy need a GPU")
 
+
+# %% [markdown]
+# *On the speed comparison above.* In the committed run the GPU was busy almost all the time in both
+# configurations ("97% of the time against batch 16's 99%"), while batch 4 x 4 ran at "0.90 times the
+# throughput". Two points of idle time cannot account for that: the GPU is not waiting at batch 4; its kernels,
+# four times as many and each a quarter the size, do less work per second than batch 16's. Section 3.1's sweep
+# shows the same between batch 4 and batch 16.
+
 # %% [markdown]
 # **The LLM book's case.** The book trains the 1.3B model (fp16, AdamW, 256 tokens) on a T4: batch 16 runs out
 # of memory, batch 4 with 4 accumulation steps runs, and `torch.cuda.memory_allocated()` read right after the
@@ -936,6 +945,14 @@ if prof.on_gpu:
     display(Markdown(text))
 else:
     print("skipped on CPU: CPU time and memory say nothing about the Trainer's overhead on a GPU")
+
+
+# %% [markdown]
+# *On the last sentence above.* Each `train()` call here makes a single update, so the Trainer's own clock
+# ("31.9 samples/s" in the committed run, against the loop's "37.6") also contains work the call does once
+# inside its training loop, such as starting the data loader's iteration and the callbacks at the start and end
+# of training. This run cannot tell that from bookkeeping paid on every step; the parts named were not timed one
+# by one.
 
 # %% [markdown]
 # What the fixed cost of a `train()` call contains: in transformers 5.x the set-up starts with accelerate's
@@ -1090,14 +1107,15 @@ closing[[c for c in order if c in closing.columns]]
 # - Training memory is a fixed part (weights, optimizer states, and gradients from the backward pass on) plus
 #   activations that grow linearly with the batch (section 3.1's fit). Where a small batch leaves the GPU idle
 #   (the 1.3B model's smallest batches), the step is host-bound: its time is the CPU's time to issue it, so
-#   throughput grows almost with the batch. Once the GPU is busy (bert-large at 512 tokens is busy from the
-#   smallest batch) each doubling gains less, and past that point a larger batch is an optimisation choice,
-#   not a speed-up.
+#   throughput grows almost with the batch. Once the GPU is busy nearly all the time (section 3.1's figure
+#   labels every batch with its GPU-busy fraction) each doubling gains less, and past that point a larger batch
+#   is an optimisation choice, not a speed-up.
 # - The largest batch that fits can be found safely: catch `torch.OutOfMemoryError`, let the `except` block end,
 #   then free; memory returns to its baseline after every failure.
 # - Gradient accumulation with `loss / N` gives the large batch's gradients to fp32 rounding and the same
 #   training run, at the micro-batch's memory plus one set of gradients (held between micro-batches), and at
-#   the micro-batch's speed.
+#   about the micro-batch's speed per sample (a little above it, since the optimizer steps once per N
+#   micro-batches), not the large batch's.
 # - With sequences of different lengths, divide the summed token losses by the tokens of the whole accumulated
 #   batch; the mean of micro-batch means is a different objective (fixed in transformers 4.46).
 #

@@ -64,7 +64,7 @@ INTERNAL_WORDS = re.compile(r"the seeds|seeds'|BOOK_STANDARD|STYLE\.md|book stan
 def test_public_helpers_say_where_the_book_introduces_them(name, obj):
     doc = inspect.getdoc(obj) or ""
     assert doc, f"{name} has no docstring"
-    assert re.search(r"Introduced in chapter \d+(, section \d+\.\d+|'s setup cell)|Not used in a chapter", doc), (
+    assert re.search(r"Introduced in chapter \d+(, section \d+\.\d+|'s setup cell|'s last cell)|Not used in a chapter", doc), (
         f"{name}'s docstring does not name the chapter (and section) that introduces it")
     assert not INTERNAL_WORDS.search(doc), f"{name}'s docstring uses a word only the book's authors know"
 
