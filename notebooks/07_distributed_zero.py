@@ -598,7 +598,8 @@ if profiles.cuda_or_skip("peak allocated memory is an allocator statistic"):
     peak.index = labels
     ax = peak.plot.bar(rot=0, figsize=(8, 4), color=["#8C8C8C", "#4C72B0"][-len(peak.columns):])
     t4_line = ax.axhline(T4_MEMORY_GIB, color="grey", linestyle="--")
-    ax.legend([*ax.containers, t4_line], [f"{c} GPU{'s' if c > 1 else ''}" for c in peak.columns] + ["a T4's 14.75 GiB"])
+    ax.legend([*ax.containers, t4_line], [f"{c} GPU{'s' if c > 1 else ''}" for c in peak.columns] + ["a T4's 14.75 GiB"],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the axes: inside, it covered the tallest bar
     ax.set_ylabel("peak allocated per rank (GiB)")
     ax.set_xlabel("")
     ax.set_title(f"{model_size}, fp32 AdamW, batch {size['batch']} x {size['seq']}: peak memory per rank")
@@ -840,7 +841,8 @@ if bw is not None:
         ax.axhline(gb_s, color="grey", linestyle=style, label=f"{label}: {gb_s:.0f} GB/s")
     ax.set_xscale("log", base=2)
     ticks = sorted(set(bw["size_bytes"]))
-    ax.set_xticks(ticks, [f"{t / MIB:g} MiB" if t >= MIB else f"{t // 1024} KiB" for t in ticks])
+    ax.set_xticks(ticks, [f"{t / GIB:g} GiB" if t >= GIB else f"{t / MIB:g} MiB" if t >= MIB else f"{t // 1024} KiB"
+                          for t in ticks], rotation=30, ha="right")  # seven sizes: upright labels overlapped
     ax.set_xlabel("message size S")
     ax.set_ylabel("bus bandwidth (GB/s, median)")
     where = f"{n_dev} GPUs, NCCL" if prof.on_gpu else "2 CPU processes, gloo"
@@ -861,21 +863,30 @@ if prof.on_gpu and bw is not None:
             f"fixed cost (launch, synchronisation), not transfer.")
     ref = nominal.get("H200/H100 datasheet, per direction") or next(iter(nominal.values()), None)
     practical = nominal.get("NCCL's effective NVLink 4 bandwidth")
+    bw_curve = {c: bandwidth.loc[c, "busbw (GB/s)"] for c in estimates.COLLECTIVES}
+    bw_rising = {c: bw_curve[c].iloc[-1] > 1.03 * bw_curve[c].iloc[-2] for c in bw_curve}  # +3% over the sweep's last step
+    bw_name = {c: c.replace("_", "-") for c in bw_curve}
     if ref:
-        text += f" That is {ar / ref:.0%} of the {ref:.0f} GB/s per direction the link is rated for"
+        text += f" All-reduce's {ar:,.0f} GB/s is {ar / ref:.0%} of the {ref:.0f} GB/s per direction the link is rated for."
         if practical:
-            share = ar / practical
-            text += (f", and {share:.0%} of the {practical:.0f} GB/s that NCCL's protocol overhead leaves of it: "
-                     + ("at the practical ceiling." if share >= 0.9 else
-                        "below the practical ceiling; "
-                        + ("the curve still rises at the largest message, so larger ones would get closer. "
-                           if bandwidth.loc["all_reduce", "busbw (GB/s)"].iloc[-1]
-                           > 1.03 * bandwidth.loc["all_reduce", "busbw (GB/s)"].iloc[-2] else
-                           "the curve has flattened, so the rest of the gap is not the message size. ")
-                        + "With NVLink multicast (NVLS) off, as on this book's machines, NCCL cannot use the switch's "
-                          "in-network reduction, which the same source credits with a higher all-reduce bus bandwidth."))
-        else:
-            text += "."
+            bw_share = {c: big.loc[c, "busbw (GB/s)"] / practical for c in bw_curve}
+            bw_at = [bw_name[c] for c in bw_curve if bw_share[c] >= 0.9]
+            bw_below = [c for c in bw_curve if bw_share[c] < 0.9]
+            text += (f" NCCL's protocol overhead leaves {practical:.0f} GB/s of it, a figure NCCL's maintainer gives for "
+                     f"broadcast-like operations ([Jeaugey (2024)](../book/references.md)); against it, at {big_mib:,.0f} MiB: "
+                     + ", ".join(f"{bw_name[c]} {bw_share[c]:.0%}" + (" (still rising)" if bw_rising[c] else "") for c in bw_curve)
+                     + ". ")
+            if bw_at:
+                text += f"Within a tenth of that ceiling: {', '.join(bw_at)}. "
+            if bw_below:
+                text += (f"Below it: {', '.join(bw_name[c] for c in bw_below)}; "
+                         + ("their curves still rise at the largest message, so larger ones would get closer. "
+                            if all(bw_rising[c] for c in bw_below) else
+                            "where a curve has flattened, the rest of the gap is not the message size, and this "
+                            "sweep does not show what it is. ")
+                         + ("With NVLink multicast (NVLS) off, as on this book's machines, NCCL cannot use the switch's "
+                            "in-network reduction, which the same source credits with a higher all-reduce bus "
+                            "bandwidth." if "all_reduce" in bw_below else ""))
     else:
         text += " The link's nominal bandwidth is unknown here, so there is nothing to hold it against."
     display(Markdown(text))
@@ -883,13 +894,6 @@ else:
     print("skipped on CPU: gloo's bandwidth between CPU processes says nothing about a GPU link"
           if not prof.on_gpu else "skipped: no collectives measured on one GPU")
 
-
-# %% [markdown]
-# *On the bandwidth sentence above.* In the committed run "at the practical ceiling" holds for broadcast (366.14
-# GB/s at 4,096 MiB, 99% of 370) but only approximately for all-reduce: its bus bandwidth was still rising at the
-# largest message (318.56 GB/s at 1,024 MiB, 336.10 at 4,096 MiB). Reduce-scatter and all-gather, the collectives
-# FSDP uses and operations of the kind for which [Jeaugey (2024)](../book/references.md) quotes the 370 GB/s,
-# reached 278.59 and 283.63 GB/s at 4,096 MiB, about three quarters of it; this run does not show why.
 
 # %% [markdown]
 # ### Each engine's bytes per step: formula and profiler
@@ -955,30 +959,33 @@ if prof.on_gpu and 2 in world_sizes:
         note = ("The trace carried no message sizes for some collectives (NaN above); their bytes could not be "
                 "compared. " + note)
     growth = {estimates.COMM_LABELS[st]: (steps[(2, st)].median - steps[(1, st)].median) * 1e3 for st in estimates.STAGES}
-    grew = {e: g for e, g in growth.items() if g > 0}
+    verdict = {estimates.COMM_LABELS[st]: timing.difference(steps[(1, st)], steps[(2, st)]) for st in estimates.STAGES}
+    grew = {e: g for e, g in growth.items() if verdict[e] == "slower"}
+    flat = [e for e in growth if verdict[e] != "slower"]
     if grew:
-        explained = {e: overlap_table.loc[e, "exposed (ms)"] / g for e, g in grew.items()}
-        note += ("\n\nSection 7.4's step grew from 1 to 2 GPUs by "
-                 + "; ".join(f"{g:.1f} ms for {e} (exposed communication: {overlap_table.loc[e, 'exposed (ms)']:.1f} ms)"
-                             for e, g in grew.items()) + ". "
-                 + ("The exposed communication accounts for the growth." if min(explained.values()) >= 0.8 else
-                    "Where the exposed communication is well below the growth, the rest is not waiting for the link; "
-                    "one traced step per engine cannot say what it is (candidates: compute kernels slowed by the "
-                    "communication kernels running beside them, which share the SMs and the memory bandwidth, and the "
-                    "host's work in the communication hooks)."))
+        exposed = {e: overlap_table.loc[e, "exposed (ms)"] for e in grew}
+        kind = {e: "about all of it" if 0.8 * g <= exposed[e] <= 1.25 * g else
+                   "less than the growth" if exposed[e] < 0.8 * g else "more than the growth" for e, g in grew.items()}
+        note += ("\n\nSection 7.4's step grew from 1 to 2 GPUs beyond the noise for "
+                 + "; ".join(f"{e} by {g:.1f} ms, with {exposed[e]:.1f} ms of exposed communication ({kind[e]})"
+                             for e, g in grew.items()) + ". ")
+        if any(k == "less than the growth" for k in kind.values()):
+            note += ("Where the exposed communication is well below the growth, the rest is not waiting for the link; "
+                     "one traced step per engine cannot say what it is (candidates: compute kernels slowed by the "
+                     "communication kernels running beside them, which share the SMs and the memory bandwidth, and the "
+                     "host's work in the communication hooks). ")
+        if any(k == "more than the growth" for k in kind.values()):
+            note += ("Where it is more than the growth, the 2-GPU step saved time elsewhere: the growth is the "
+                     "difference between two whole steps, and on two GPUs each rank of a sharded engine updates only "
+                     "its share of the parameters in the optimizer step; one traced step does not measure that saving. ")
+    if flat:
+        note += (("\n\n" if not grew else "") + f"{', '.join(flat)}: the 2-GPU step was not slower than the 1-GPU "
+                 "step beyond the noise (section 7.4), so there is no growth to account for.")
     display(Markdown("Per step and rank 0, summed over collectives:\n\n" + "\n".join(lines) + "\n\n" + note))
 else:
     print("skipped on CPU: no communication kernels to hold against the formula" if not prof.on_gpu
           else "skipped: no 2-GPU run to trace")
 
-
-# %% [markdown]
-# *On the growth sentence above.* In the committed run only DDP's growth (18.6 ms, with 1.5 ms of exposed
-# communication) is the case the last sentence describes. For ZeRO-1 (14.1 ms, 18.2 ms exposed) and ZeRO-3
-# (8.5 ms, 20.8 ms exposed) the exposed communication is larger than the growth: the growth is the difference
-# between two whole steps, and on two GPUs these engines also do less of other work per rank (each rank's optimizer
-# step updates only its share of the parameters), which can offset part of the communication; this run does not
-# measure that part. ZeRO-2's step did not grow beyond the noise (section 7.4), so it is not listed.
 
 # %% [markdown]
 # Reading the *calls* column: DDP all-reduces its gradients in buckets (one call per bucket) and, before

@@ -817,7 +817,7 @@ def ladder_sentences(name, table, timed, notes, best, goal):
         gpu_txt = "" if np.isnan(gpu_ratio) else f"; GPU time {gpu_ratio:.2f}x"
         host = timed[cur].verdict == "host-bound"
         if host and gpu_ratio > 1.1 * ratio:  # the GPU's work shrank more than the step did
-            masked.append(cur.split(" ", 1)[1])
+            masked.append((cur.split(" ", 1)[1], diff == "faster"))  # with: did any of the saving reach the wall?
         steps.append(f"*{cur.split(' ', 1)[1]}* {ratio:.2f}x ({diff}{gpu_txt}{', host-bound' if host else ''})")
     mfu = b["MFU vs datasheet (%)"]
     if np.isnan(mfu):
@@ -839,8 +839,15 @@ def ladder_sentences(name, table, timed, notes, best, goal):
     text += (" Rung by rung, per sample over the rung before (wall time, then the profiler's GPU time): "
              + "; ".join(steps) + ".")
     if masked:
-        text += (" On " + ", ".join(f"*{m}*" for m in masked) + " the GPU's work shrank more than the step did: the step "
-                 "is host-bound, the CPU's launches set its length, and only part of the GPU's saving reaches the wall time.")
+        none = [m for m, reached in masked if not reached]
+        part = [m for m, reached in masked if reached]
+        text += (" On " + ", ".join(f"*{m}*" for m, _ in masked) + " the GPU's work shrank more than the step did: the "
+                 "step is host-bound, and the CPU's launches set its length"
+                 + (f"; on {', '.join(f'*{m}*' for m in part)} part of the GPU's saving reached the wall time" if part else "")
+                 + (f"; on {', '.join(f'*{m}*' for m in none)} none of the GPU's saving reached the wall time beyond "
+                    f"the noise (the rung is not faster per sample): a host-bound step's time follows the CPU, which a "
+                    f"shared host can change between two timed runs by more than one run's IQR shows" if none else "")
+                 + ".")
     text += " The knee search measured " + ", ".join(f"batch {bs}: {v}" for bs, v in notes["knee"].items()) + "."
     c = notes["compile"]
     if isinstance(c, dict):
@@ -858,16 +865,6 @@ if prof.on_gpu:
                      ("The 1.3B GPT-NeoX", llm_table, llm_timed, llm_notes, best_llm, 45)))))
 else:
     print("skipped on CPU: MFU and GPU-busy need a GPU (the tiny models' CPU times say nothing about a GPU)")
-
-# %% [markdown]
-# *On the host-bound rungs above.* In the committed run no part of the GPU's saving reached bert-large's wall time
-# on the two rungs named: with SDPA the GPU time per sample fell (1.06x) while the step measured slower (0.96x), and
-# with bf16 autocast the GPU time fell 3.84x while the step stayed within the noise (0.98x). The SDPA rung's
-# slowdown is on the host, not in the attention kernel: at batch 4 the step is as long as the CPU takes to issue
-# its kernels, and on a host shared with other work (the [status page](../book/status.md) says how this chapter
-# was run) that time can change between two timed runs by more than one run's IQR shows; this run does not
-# separate the two. On the 1.3B model's autocast rung part of the saving did reach the wall time (2.44x against
-# 4.44x of GPU time).
 
 # %% [markdown]
 # A reading note on the knee: when the rule keeps the largest of the three batch sizes tried (the sentences
