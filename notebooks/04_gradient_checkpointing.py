@@ -834,10 +834,12 @@ else:
 
 # %% [markdown]
 # *Two notes on the sentences above, for the committed run.* For bert-large at batch 4 the gap to the prediction
-# (+47% against 29%) is 18 points, about two and a half times the noise of ±7 points, so "a little more than this
+# (+47% against 29%) is 18 points, about 2.4 times the noise of ±7 points, so "a little more than this
 # measurement's noise" understates it; the kernel time checkpointing added (34.1 ms) matches the layers' forward
 # pass (32.5 ms), while the GPU was busy 86% of the checkpointed step against 96% of the plain one, so the rest of
-# the extra time is time the GPU waited. For the 1.3B model at batch 32 the busy fraction rose by two points only
+# the extra time is time the GPU waited; this row is the 47% at the top of the range given above for steps where the
+# GPU is the limit, so that figure includes the waiting. For the 1.3B model at batch 32 the busy fraction rose by
+# two points only
 # (95% to 97%), so little idle time was there to fill; what sets the smaller cost is mainly the added kernel time,
 # 38.8 ms against the 53.1 ms the layers' forward pass took on its own.
 
@@ -1080,6 +1082,14 @@ ax.set_title(f"{n_blocks} blocks, hidden {hidden}, batch {stack_batch} x {block_
                             f"{' and '.join(tied)}"), fontsize=9)
 fig.tight_layout(rect=(0, 0.12, 1, 1))
 
+
+# %% [markdown]
+# *On the figure's title, for the committed run.* The three recomputing modes are each within the noise of the
+# fastest one, recomputing whole blocks (1.99 times storing everything, with an IQR of 8.33 ms), not of each other:
+# recomputing the MLP half (2.41 times) is slower than recomputing the attention half (2.12 times) by more than either
+# pass's IQR, as the next paragraph says. Recomputing whole blocks also kept the least memory of the three, so in this
+# small pass neither half-block mode bought anything with the memory it kept.
+
 # %% tags=["remove-input"]
 st = stack_table
 attn_share, mlp_share = MODES["recompute attention"][2], MODES["recompute MLP"][2]
@@ -1148,10 +1158,17 @@ display(Markdown(text))
 
 
 # %% [markdown]
+# *On the two halves, for the committed run.* Neither the FLOPs nor the number of launches orders them: the pass that
+# recomputes the MLP half ran fewer GPU operations (432 against 440) and about the same kernel time (8.5 against
+# 8.2 ms), yet took longer (2.41 against 2.12 times storing everything). What the host spent the difference on is not
+# measured here; chapter 8's profiler would show it.
+
+# %% [markdown]
 # *On "within what one extra forward pass predicts".* In the committed run the whole-block pass took 30.37 ms with
 # an IQR of 8.33 ms, against 15.29 ms (IQR 1.74 ms) for storing everything: its 1.99 times falls inside the
-# prediction's noise band only because that spread is so wide. The pass is host-bound (the GPU busy 48% of the time
-# when storing everything, 31% recomputing whole blocks), so this run neither confirms nor refutes the 1.33.
+# prediction's noise band only because that spread is so wide. The GPU sat idle for more than half of the pass
+# (busy 48% of the time when storing everything, 31% recomputing whole blocks), so its wall time follows the host
+# more than the recomputed FLOPs, and this run neither confirms nor refutes the 1.33.
 
 # %% [markdown]
 # Transformers can combine the two ideas: in releases whose checkpointing switch takes `offload=True`
@@ -1284,8 +1301,9 @@ else:
     print("skipped on CPU: the memory and time of section 4.3 are measured on a GPU")
 
 # %% [markdown]
-# - Checkpointing part of a block, or offloading activations to the CPU, are finer trades: measure them on your
-#   model, because which one wins depends on how much each part stores and computes, and on the bus.
+# - Checkpointing part of a block, or offloading activations to the CPU, are other trades (partial checkpointing
+#   keeps more memory to recompute less, which pays only where the GPU is the limit; offloading swaps recomputation
+#   for bus transfers): measure them on your model, because which one wins depends on how much each part stores and computes, and on the bus.
 #
 # ## Use it in your own script
 #
@@ -1348,7 +1366,7 @@ else:
 #
 #    <details><summary>Answer</summary>
 #
-#    About halfway in both: roughly half of the memory saving of full-block recomputation, at roughly half of its time overhead. Where the GPU is the limit that is half of one extra forward pass (about a sixth of a forward and backward pass instead of a third); in section 4.4's host-bound stack, expect about half of the overhead measured there for whole blocks, which is larger.
+#    About halfway in both: roughly half of the memory saving of full-block recomputation, at roughly half of its time overhead. Where the GPU is the limit that is half of one extra forward pass (about a sixth of a forward and backward pass instead of a third); in section 4.4's stack, where the GPU is idle much of the time, expect about half of the overhead measured there for whole blocks, which is larger.
 #
 #    </details>
 #

@@ -516,7 +516,7 @@ assert (results["status"] == "ok").all(), (
 # One row per world size and strategy; where the ranks differ (ZeRO-1 splits the optimizer by whole
 # parameters, so its shares need not be equal) the row shows the rank that holds the most. On a GPU,
 # *allocated at start* is what was still allocated when the strategy began, in the process that had just run
-# the previous one: 0 when everything was given back, or a few tens of MiB when the previous strategy's matrix
+# the previous one: 0 when everything was given back, or some tens of MiB when the previous strategy's matrix
 # products left their cuBLAS workspaces behind (see the end of this chapter, and chapter 4). Beside it, the
 # formula for the same $\Psi$, with 4-byte parameters and gradients and $K = 8$:
 
@@ -662,6 +662,13 @@ if prof.on_gpu and 2 in world_sizes:
 else:
     print("skipped: no 2-GPU run to compare with" if prof.on_gpu
           else "skipped on CPU: step times of CPU processes say nothing about GPUs")
+
+
+# %% [markdown]
+# *On an efficiency above 100%, for the committed run.* ZeRO-3's 103% does not show that a second GPU did more than
+# double the throughput: its range from quartiles (1.85 to 2.24) includes 2, and its one-GPU steps were the most spread
+# of the eight (IQR 0.03 s). Were such a gain real, it could come from the optimizer step, which on two GPUs updates only
+# each rank's share of the parameters under ZeRO-2 and ZeRO-3; these runs do not time it separately.
 
 # %% [markdown]
 # The engines change where the states live, not the arithmetic: on each world size, rank 0's losses are the
@@ -988,12 +995,27 @@ else:
 
 
 # %% [markdown]
+# *A note on the FSDP rows, for the committed run.* "No growth to account for" does not mean no exposed
+# communication: the traced steps of ZeRO-2 and ZeRO-3 left 10.80 ms and 21.87 ms of it outside any compute kernel,
+# more than DDP's 1.50 ms, and still their 2-GPU steps were not slower than their 1-GPU steps. The same reason as for
+# ZeRO-1 above can make room for it (on two GPUs each rank of a sharded engine updates only its share of the
+# parameters), but one traced step does not measure it. The traced step is also not one of the timed ones: ZeRO-3's
+# spans 298.67 ms from its first kernel to its last, against a median of 0.251 s for its timed 2-GPU steps, so its
+# exposed time is that of a slower, profiled step.
+
+# %% [markdown]
 # Reading the *calls* column: DDP all-reduces its gradients in buckets (one call per bucket) and, before
 # each forward pass, broadcasts its buffers from rank 0 (a few bytes here, hence DDP's single small broadcast).
 # `ZeroRedundancyOptimizer` broadcasts every parameter tensor after the step from the rank that updated it,
 # one call per tensor, which is why ZeRO-1 shows one broadcast per parameter tensor plus DDP's. FSDP
 # gathers and reduces one wrapped unit (here one transformer block, plus the root) per call, once for ZeRO-2
 # and twice (forward and backward) for ZeRO-3's all-gathers.
+#
+# Reading the *S* columns: $S$ is the size of the messages, not the bytes a rank sends. With a ring on $N$ ranks
+# a rank sends $2(N-1)/N \cdot S$ for an all-reduce and $(N-1)/N \cdot S$ for an all-gather or a reduce-scatter
+# (section 7.7), so FSDP's ZeRO-2, with twice DDP's $S$ split over two such collectives, sends what DDP sends, and
+# ZeRO-3, with three times DDP's $S$, sends 1.5 times as much, as the summary says. A broadcast sends its $S$ once
+# from the rank that owns it, so ZeRO-1's broadcasts add half of DDP's traffic on two ranks.
 
 # %%
 shutil.rmtree(WORK, ignore_errors=True)  # the launched processes' results, no longer needed

@@ -870,7 +870,9 @@ else:
 # A reading note on the knee: when the rule keeps the largest of the three batch sizes tried (the sentences
 # above list the three throughputs), the search shows only that throughput still grew at the last step, not
 # that it has flattened there; a larger batch, where it fits, may be faster still. The rung is then "the
-# largest batch tried", not a knee.
+# largest batch tried", not a knee. In the committed run this is the case for both models: batch 64 for bert-large
+# and batch 8 for the 1.3B model are the largest sizes tried, so read "(the knee)" in the tables and the figure as
+# "the largest batch tried".
 
 # %% [markdown]
 # **Where the rest goes.** The category table of the best rung of each model (shares of the GPU time of the
@@ -1062,9 +1064,10 @@ if recipe_run is not None:
 #   10.2 publishes its error over more than thirty measured setups, beside four popular estimators that
 #   leave out the activations or the temporaries.
 # - Most of a training step's speed comes from a batch large enough to keep the GPU busy and, once it is
-#   busy, from 16-bit autocast. While a small step is host-bound, autocast shrinks the GPU's work without
-#   shortening the step (its gain can be zero or within the noise), and what removes launches (a fused
-#   optimizer) gains more. The order of the rungs changes what each one seems to buy. SDPA's larger gift is
+#   busy, from 16-bit autocast. What a rung buys depends on what limits the step when it is added: autocast
+#   shortens a step that the GPU limits, but on a host-bound step it can shrink the GPU's work without
+#   shortening the step (its gain can be zero or within the noise), where what removes launches (a fused
+#   optimizer) may gain more. The order of the rungs changes what each one seems to buy. SDPA's larger gift is
 #   memory; compilation comes last and is kept only when measured faster.
 # - MFU against the datasheet hides two gaps: the matmul ceiling (what the tensor cores really deliver) and
 #   the time outside the matrix products; the profiler's category table shows the second.
