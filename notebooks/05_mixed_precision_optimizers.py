@@ -870,9 +870,10 @@ def train_optimizer(name, steps=kw_steps):
         row["peak allocated (GiB)"] = measure.allocator_mib()["peak_allocated_mib"] * MIB / GIB
     states = [t for st in accounting.inner_optimizer(optimizer).state.values() for t in st.values() if torch.is_tensor(t)]
     row["paged state tensors"] = sum(bool(getattr(t, "is_paged", False)) for t in states)
-    t_step = timing.time_it(lambda: training_step(batch), device=dev, warmup=3, repeat=10, busy=False)
+    reps = dict(warmup=prof.pick(tiny=1, full=3), repeat=prof.pick(tiny=3, full=10))  # tiny: CI's CPU run
+    t_step = timing.time_it(lambda: training_step(batch), device=dev, busy=False, **reps)
     forward_backward(batch)  # gradients for the optimizer-only timing; each timed call reuses them
-    t_opt = timing.time_it(optimizer.step, device=dev, warmup=3, repeat=10)
+    t_opt = timing.time_it(optimizer.step, device=dev, **reps)
     optimizer.zero_grad(set_to_none=True)
     row |= {"optimizer.step (ms)": t_opt.wall.median * 1e3, "optimizer.step IQR (ms)": t_opt.wall.iqr * 1e3,
             "optimizer.step verdict": t_opt.verdict, "training step (ms)": t_step.wall.median * 1e3,
