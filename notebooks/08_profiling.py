@@ -329,11 +329,12 @@ def make_step(model, optimizer, batch):
 
 
 def run_config(name, batch_size):
-    """Time one configuration (10 repeats) and profile it (3 steps); return a table row and the profile."""
+    """Time one configuration (10 repeats; 3 in the tiny profile) and profile it (3 steps); a table row and the profile."""
     model, optimizer = build(name)  # freed when the function returns (or by try_batch after an OOM)
     step = make_step(model, optimizer, make_batch(name, batch_size))
     trace = TRACES / f"{name}_bs{batch_size}.json.gz"
-    t = timing.time_it(step, device=dev, warmup=3, repeat=10, trace_path=trace)
+    t = timing.time_it(step, device=dev, warmup=prof.pick(tiny=1, full=3), repeat=prof.pick(tiny=3, full=10),
+                       trace_path=trace)  # tiny: CI's CPU run
     p = t.profile if t.profile is not None else profiler.profile(step, device=dev, active=3, trace_path=trace)
     tokens = batch_size * SETUPS[name]["seq_len"]
     row = {
@@ -497,7 +498,7 @@ def ch3_step(batch_size):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return timing.time_it(step, device=dev, warmup=2, repeat=10, loop=3)
+    return timing.time_it(step, device=dev, warmup=prof.pick(tiny=1, full=2), repeat=prof.pick(tiny=3, full=10), loop=3)
 
 
 sweep = {}
