@@ -160,10 +160,10 @@ def back_at_baseline(baseline_mib: float, tolerance_mib: float = 0.01) -> dict[s
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         raise RuntimeError("back_at_baseline checks GPU memory: CUDA is not in use in this process")
     collect()
-    held_mib = torch.cuda.memory_allocated() / 2**20
+    held_mib = measure.allocator_mib()["allocated_mib"]
     torch._C._cuda_clearCublasWorkspaces()
     collect()
-    end_mib = torch.cuda.memory_allocated() / 2**20
+    end_mib = measure.allocator_mib()["allocated_mib"]
     assert end_mib <= baseline_mib + tolerance_mib, (
         f"{end_mib - baseline_mib:.2f} MiB still allocated at the end (start {baseline_mib:.2f} MiB): a leak"
     )

@@ -89,12 +89,13 @@ def test_free_gives_cuda_memory_back():
 
 
 def _fake_cuda(monkeypatch, readings_mib):
-    """CUDA 'in use' with allocated-memory readings (MiB) taken in order; the workspace release is recorded."""
-    readings = iter(r * 2**20 for r in readings_mib)
+    """CUDA 'in use' with allocated-memory readings (MiB) taken in order, through the one allocator reader;
+    the workspace release is recorded."""
+    readings = iter({"allocated_mib": r, "reserved_mib": r, "peak_allocated_mib": r} for r in readings_mib)
     released = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: next(readings))
+    monkeypatch.setattr(measure, "allocator_mib", lambda device=None: next(readings))
     monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: released.append(True), raising=False)
     monkeypatch.setattr(cleanup, "collect", lambda: None)
     return released
