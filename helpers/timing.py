@@ -308,3 +308,292 @@ def difference(reference: Spread, other: Spread) -> str:
     if not significant:
         return "within the noise"
     return "faster" if other.median < reference.median else "slower"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Comparing two ways of doing the same work: interleaved rounds, a ratio with its interval, a verdict.
+
+#: A difference counts as "faster" or "slower" only when the whole 95% interval of the speed-up lies beyond
+#: this fraction (3%): smaller differences are rarely worth a change, and a host's noise reaches them easily.
+PRACTICAL_THRESHOLD = 0.03
+#: Rounds of an interleaved comparison unless told otherwise (at least 10: the book's measurement rule).
+ROUNDS = 15
+NO_DIFFERENCE = "no difference beyond the noise"
+
+
+def median_interval(samples: tuple[float, ...] | list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A distribution-free interval for the median of ``samples``: two order statistics.
+
+    With n samples, the number lying below the true median is Binomial(n, 1/2); the interval from the j-th
+    to the (n+1-j)-th smallest sample covers the median with probability 1 - 2·P(B < j). ``j`` is the
+    largest rank that keeps the coverage at least ``confidence``. Needs at least 6 samples for 95%.
+
+    Introduced in chapter 8, section 8.1.
+    """
+    xs = sorted(samples)
+    n = len(xs)
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
+    from math import comb
+
+    def coverage(j: int) -> float:  # P(j <= B <= n - j) for B ~ Binomial(n, 1/2), ranks 1-based
+        below = sum(comb(n, i) for i in range(j)) / 2**n
+        return 1.0 - 2.0 * below
+
+    if n == 0 or coverage(1) < confidence:
+        raise ValueError(f"{n} samples cannot bound a median at {confidence:.0%}: need at least 6 for 95%")
+    j = 1
+    while j + 1 <= (n + 1) // 2 and coverage(j + 1) >= confidence:
+        j += 1
+    return xs[j - 1], xs[n - j]
+
+
+def ratio_verdict(lo: float, hi: float, threshold: float = PRACTICAL_THRESHOLD) -> str:
+    """``"faster"``, ``"slower"`` or ``"no difference beyond the noise"`` for a speed-up's interval.
+
+    The speed-up is baseline time over candidate time (above 1: the candidate is faster). It is a
+    difference only when the *whole* interval lies beyond the practical threshold: ``lo >= 1 + threshold``
+    is faster, ``hi <= 1 / (1 + threshold)`` is slower; anything else is no difference beyond the noise.
+
+    Introduced in chapter 8, section 8.1.
+    """
+    if threshold < 0:
+        raise ValueError(f"threshold must be >= 0, got {threshold}")
+    if not lo <= hi:
+        raise ValueError(f"need lo <= hi, got {lo} > {hi}")
+    if lo >= 1.0 + threshold:
+        return "faster"
+    if hi <= 1.0 / (1.0 + threshold):
+        return "slower"
+    return NO_DIFFERENCE
+
+
+def _fmt_ratio(x: float) -> str:
+    return f"{x:.2f}"
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The result of ``interleaved``: candidate ``b`` against baseline ``a``, timed in alternating rounds.
+
+    ``ratios`` holds one speed-up per round (a's time over b's time in that round; above 1: b is faster),
+    ``speedup`` their median, ``lo``/``hi`` its 95% interval (order statistics over rounds).
+    ``gpu_ratio`` is the same ratio of the CUDA-event times (None on a CPU); ``kernel_ratio`` the ratio of
+    kernel time per call from profiled calls (the GPU's own work, host gaps excluded; None when not profiled).
+    ``a``/``b`` keep each side's samples as ``Timed`` (GPU busy, kernels per call, host enqueue).
+
+    Introduced in chapter 8, section 8.1.
+    """
+
+    a_name: str
+    b_name: str
+    a: Timed
+    b: Timed
+    ratios: tuple[float, ...]
+    gpu_ratios: tuple[float, ...] | None
+    threshold: float = PRACTICAL_THRESHOLD
+
+    @property
+    def rounds(self) -> int:
+        return len(self.ratios)
+
+    @property
+    def speedup(self) -> float:
+        return statistics.median(self.ratios)
+
+    @property
+    def interval(self) -> tuple[float, float]:
+        return median_interval(self.ratios)
+
+    @property
+    def lo(self) -> float:
+        return self.interval[0]
+
+    @property
+    def hi(self) -> float:
+        return self.interval[1]
+
+    @property
+    def gpu_ratio(self) -> float | None:
+        return statistics.median(self.gpu_ratios) if self.gpu_ratios else None
+
+    @property
+    def gpu_interval(self) -> tuple[float, float] | None:
+        return median_interval(self.gpu_ratios) if self.gpu_ratios else None
+
+    @property
+    def kernel_ratio(self) -> float | None:
+        if self.a.kernel_s and self.b.kernel_s:
+            return self.a.kernel_s / self.b.kernel_s
+        return None
+
+    @property
+    def verdict(self) -> str:
+        """``"faster"``/``"slower"`` (b against a, wall time) or ``"no difference beyond the noise"``."""
+        return ratio_verdict(self.lo, self.hi, self.threshold)
+
+    @property
+    def gpu_verdict(self) -> str | None:
+        """The same rule on the CUDA-event times (None on a CPU)."""
+        iv = self.gpu_interval
+        return ratio_verdict(iv[0], iv[1], self.threshold) if iv else None
+
+    def phrase(self, *, what: str = "") -> str:
+        """The fragment the chapters quote: ``"1.22× faster (95% interval 1.18–1.26×)"``.
+
+        The number is always the speed-up (baseline time over candidate time); "slower" rows show it below 1.
+        ``what`` is put after the verdict word ("faster than the default").
+        """
+        word = self.verdict if self.verdict != NO_DIFFERENCE else "no difference beyond the noise"
+        head = f"{_fmt_ratio(self.speedup)}×"
+        tail = f" {what}" if what and self.verdict != NO_DIFFERENCE else ""
+        return f"{head}, {word}{tail} (95% interval {_fmt_ratio(self.lo)}–{_fmt_ratio(self.hi)}×, {self.rounds} rounds)"
+
+    def row(self, unit: str = "ms") -> dict[str, float | int | str | None]:
+        """One table row: both sides' medians, the speed-up with its interval, GPU figures and the verdict."""
+        scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[unit]
+        row: dict[str, float | int | str | None] = {
+            f"{self.a_name} ({unit})": self.a.wall.median * scale,
+            f"candidate ({unit})": self.b.wall.median * scale,
+            "speed-up": self.speedup,
+            "95% low": self.lo,
+            "95% high": self.hi,
+        }
+        if self.gpu_ratios:
+            row["GPU-time speed-up"] = self.gpu_ratio
+        if self.kernel_ratio is not None:
+            row["kernel-time speed-up"] = self.kernel_ratio
+        if self.a.gpu_busy is not None:
+            row["baseline GPU busy"] = self.a.gpu_busy
+        if self.b.gpu_busy is not None:
+            row["candidate GPU busy"] = self.b.gpu_busy
+        row["rounds"] = self.rounds
+        row["verdict"] = self.verdict
+        return row
+
+
+def us_per_launch(t: Timed) -> float | None:
+    """Host enqueue time per GPU operation (µs): what one launch costs this host (None without a profile).
+
+    Introduced in chapter 8, section 8.1.
+    """
+    if not t.kernels_per_call:
+        return None
+    return t.host.median * 1e6 / t.kernels_per_call
+
+
+def interleaved(
+    a: Callable[[], object],
+    b: Callable[[], object],
+    *,
+    device: str | torch.device,
+    names: tuple[str, str] = ("baseline", "candidate"),
+    rounds: int = ROUNDS,
+    warmup: int = 3,
+    loop: int = 1,
+    busy: bool = True,
+    profile_steps: int = 3,
+    threshold: float = PRACTICAL_THRESHOLD,
+    setup_a: Callable[[], object] | None = None,
+    setup_b: Callable[[], object] | None = None,
+) -> Comparison:
+    """Time ``a`` (the baseline) and ``b`` (the candidate) in alternating rounds and compare them.
+
+    After ``warmup`` calls of each, every round times one sample of each side, in the order a, b on even
+    rounds and b, a on odd ones (so neither side always runs first). A sample is ``loop`` calls back to
+    back with one synchronisation at the end (``loop`` = 1: one synchronised call, as ``time_it``), and
+    records wall, host-enqueue and (CUDA) event time. The round's speed-up is a's time over b's time.
+    Because both samples of a round run within milliseconds of each other, a host whose speed drifts
+    between rounds (other processes, clocks, caches) moves both alike and the ratio stays; medians of two
+    separate blocks of samples, as ``compare`` takes them, absorb the drift instead.
+
+    ``setup_a``/``setup_b`` run, untimed, before each sample of that side: switches such as
+    ``torch.backends.cuda.matmul.allow_tf32`` that the two sides set differently.
+
+    With ``busy`` (CUDA only), ``profile_steps`` more calls of each side run under ``torch.profiler`` for
+    the GPU-busy fraction, the kernels per call and the kernel time per call (``Comparison.kernel_ratio``).
+
+    Introduced in chapter 8, section 8.1.
+    """
+    if rounds < 10:
+        raise ValueError(f"an interleaved comparison needs at least 10 rounds, got {rounds}")
+    if warmup < 0 or loop < 1 or profile_steps < 1:
+        raise ValueError(f"need warmup >= 0, loop >= 1 and profile_steps >= 1, got warmup={warmup}, loop={loop}, "
+                         f"profile_steps={profile_steps}")
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise RuntimeError("interleaved(device='cuda') needs a CUDA GPU; none is available")
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(dev)
+
+    sides = {0: (a, setup_a), 1: (b, setup_b)}
+    for _ in range(warmup):
+        for fn, setup in sides.values():
+            if setup is not None:
+                setup()
+            fn()
+    sync()
+    wall: dict[int, list[float]] = {0: [], 1: []}
+    host: dict[int, list[float]] = {0: [], 1: []}
+    gpu: dict[int, list[float]] = {0: [], 1: []}
+
+    def sample(side: int) -> None:
+        fn, setup = sides[side]
+        if setup is not None:
+            setup()
+        sync()
+        if cuda:
+            start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            start_ev.record()
+            for _ in range(loop):
+                fn()
+            t_host = time.perf_counter() - t0
+            end_ev.record()
+            torch.cuda.synchronize(dev)
+            t_wall = time.perf_counter() - t0
+            gpu[side].append(start_ev.elapsed_time(end_ev) / 1e3 / loop)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(loop):
+                fn()
+            t_wall = t_host = time.perf_counter() - t0
+        wall[side].append(t_wall / loop)
+        host[side].append(t_host / loop)
+
+    for r in range(rounds):
+        for side in ((0, 1) if r % 2 == 0 else (1, 0)):
+            sample(side)
+
+    timed = {}
+    for side, (fn, setup) in sides.items():
+        gpu_busy = kernels = kernel_s = prof = None
+        if cuda and busy:
+            from helpers import profiler  # imported here: the profiler module is the heavier one
+
+            if setup is not None:
+                setup()
+            prof = profiler.profile(fn, device=dev, warmup=1, active=profile_steps)
+            busy_s = statistics.median(prof.busy_us_per_step()) / 1e6
+            gpu_busy = min(1.0, busy_s / statistics.median(wall[side]))
+            kernels, kernel_s = prof.kernels_per_step, prof.gpu_ms / 1e3
+        timed[side] = Timed(tuple(wall[side]), tuple(host[side]), tuple(gpu[side]) if cuda else None, gpu_busy,
+                            kernels, str(dev), kernel_s, None, prof)
+    ratios = tuple(x / y for x, y in zip(wall[0], wall[1], strict=True))
+    gpu_ratios = tuple(x / y for x, y in zip(gpu[0], gpu[1], strict=True)) if cuda else None
+    return Comparison(names[0], names[1], timed[0], timed[1], ratios, gpu_ratios, threshold)
+
+
+def blocks_compared(a: Callable[[], object], b: Callable[[], object], *, device: str | torch.device,
+                    repeat: int = 10, warmup: int = 3) -> str:
+    """The retired method, kept to show why it was retired: time ``a`` as one block, then ``b`` as another,
+    and judge b by ``difference`` (medians against the larger IQR). ``interleaved`` replaces it.
+
+    Introduced in chapter 8, section 8.1.
+    """
+    ta = time_it(a, device=device, warmup=warmup, repeat=repeat, busy=False)
+    tb = time_it(b, device=device, warmup=warmup, repeat=repeat, busy=False)
+    return difference(ta.wall, tb.wall)
