@@ -19,6 +19,7 @@ Models, data, training
 - ``data``        datasets that need no download: random tokens, a learnable Markov chain, keywords, on-the-fly tokenising
 - ``packing``     variable-length documents into batches: padding, length grouping, packing with position ids
 - ``train``       a plain training loop for loss curves
+- ``steps``       the book's training step: a batch on the device, one step with its phases marked
 
 Memory management
 - ``cleanup``     drop objects (IPython's output cache included) and give memory back
@@ -42,6 +43,7 @@ Planning (chapter 10)
 Showing results
 - ``plots``       one figure style, stacked memory bars, line series
 - ``glue``        glue numbers into the book's prose
+- ``prose``       phrase helpers for the sentences that quote a run: listings, units, ``say``
 """
 
 __version__ = "0.1.0"
