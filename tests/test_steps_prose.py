@@ -62,6 +62,9 @@ def test_listing_refuses_nothing_and_formats():
     assert prose.ms(0.1234) == "123 ms" and prose.pct(0.934) == "93%" and prose.pct(0.9345, 1) == "93.5%"
 
 
-def test_say_prints_outside_ipython(capsys):
+def test_say_prints_outside_ipython(capsys, monkeypatch):
+    import IPython
+
+    monkeypatch.setattr(IPython, "get_ipython", lambda: None)  # another test may have started a shell
     prose.say("**hello**")
     assert capsys.readouterr().out.strip() == "**hello**"
