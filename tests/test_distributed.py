@@ -137,6 +137,25 @@ def test_exit_all_ranks_on_oom_lets_other_errors_through():
         pass
 
 
+@pytest.mark.parametrize("err", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                                 RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate`")])
+def test_exit_all_ranks_on_oom_ends_the_rank_on_what_measure_calls_out_of_memory(monkeypatch, capsys, err):
+    """The same predicate as batching's: cuBLAS failing to allocate its workspace is out of memory too."""
+    def exit_now(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(distributed.os, "_exit", exit_now)
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as done:
+        with distributed.exit_all_ranks_on_oom("a test"):
+            raise err
+    assert done.value.code == distributed.OOM_EXIT_CODE
+    assert capsys.readouterr().err.startswith("rank 1: out of memory during a test: ")
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        with distributed.exit_all_ranks_on_oom("a test"):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
 def test_init_process_group_on_cpu_is_gloo(monkeypatch):
     import torch.distributed as dist
 
