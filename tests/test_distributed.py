@@ -106,7 +106,7 @@ def test_train_zero_shards_what_each_stage_promises(chapter_runs):
 
 
 def test_train_zero_layers_step_times_and_a_trace_per_strategy(chapter_runs):
-    from helpers import collectives, models
+    from helpers import models, profiler
 
     folder, message = chapter_runs
     assert (folder / "zero" / "rank1.json").exists(), message
@@ -119,8 +119,8 @@ def test_train_zero_layers_step_times_and_a_trace_per_strategy(chapter_runs):
     traces = sorted(p.name for p in (folder / "traces").iterdir())
     assert traces == [f"{s}.json.gz" for s in ("ddp", "zero1", "zero2", "zero3")]  # rank 0 only, one each
     for name in traces:  # gloo on CPUs: no communication kernels, and the readers say so
-        assert collectives.communication_from_trace(folder / "traces" / name).empty
-        assert collectives.communication_overlap(folder / "traces" / name)["communication_s"] == 0
+        assert profiler.communication_from_trace(folder / "traces" / name).empty
+        assert profiler.communication_overlap(folder / "traces" / name)["communication_s"] == 0
 
 
 def test_out_of_memory_on_one_rank_of_train_zero_ends_every_rank(chapter_runs):
