@@ -74,7 +74,9 @@ def nvml_device(index: int = 0) -> Iterator[object]:
 
     Maps ``index`` through ``CUDA_VISIBLE_DEVICES``, so a process that sees one GPU of a shared
     machine reads that GPU, not the machine's first. Raises ``RuntimeError`` without NVML (no NVIDIA
-    driver) or when ``index`` is not a visible GPU. Creates no CUDA context.
+    driver) or when ``index`` is not a visible GPU. Creates no CUDA context. Assumes CUDA numbers the
+    GPUs in NVML's (PCI bus) order, as it does with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` and on a machine
+    of one GPU model; CUDA's default order (fastest first) can differ on a machine with mixed GPUs.
 
     Introduced in chapter 1, section 1.1.
     """
@@ -260,7 +262,7 @@ class Peak:
     """What ``peak`` measured: allocated MiB when the block began (``start_mib``) and the most allocated
     at any moment inside it (``mib``). NaN on a CPU, and while the block runs.
 
-    Introduced in chapter 1, section 1.3.
+    Not used in a chapter yet: chapter 1, section 1.3 reads peaks per phase with ``PhaseRecorder``.
     """
 
     start_mib: float = float("nan")
@@ -287,7 +289,7 @@ def peak(device: int | str | torch.device | None = None) -> Iterator[Peak]:
     ...     loss = model(**batch).loss
     >>> p.mib, p.extra_mib
 
-    Introduced in chapter 1, section 1.3.
+    Not used in a chapter yet: chapter 1, section 1.3 reads peaks per phase with ``PhaseRecorder``.
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
