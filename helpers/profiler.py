@@ -106,8 +106,10 @@ _CPU_OP_RULES = (
 def kernel_category(name: str, *, cat: str = "kernel", phase: str | None = None) -> str:
     """The category of one GPU event: by its trace category, the phase that launched it, its name.
 
-    Copies and memsets are ``memcpy / memset``; anything launched inside the ``optimizer`` range is
-    ``optimizer``; otherwise the kernel name decides (see ``_KERNEL_RULES``); unknown names are
+    Copies and memsets are ``memcpy / memset``; NCCL's kernels ``communication``; anything launched
+    inside the ``optimizer`` range is ``optimizer``; otherwise the kernel name decides (see
+    ``_KERNEL_RULES``: cuBLAS, CUTLASS and Inductor's Triton templates are GEMM; PyTorch's and
+    Inductor's point-wise and reduction kernels element-wise / normalisation); unknown names are
     ``other``.
 
     Introduced in chapter 8, section 8.2.
