@@ -6,8 +6,8 @@ chapter and section that introduce it.
 
 Foundations
 - ``profiles``    which sizes to run (``tiny`` on a CPU, ``full`` on a GPU) and GPU-only guards
-- ``measure``     the one reader of GPU memory (NVML, torch's allocator), phases, timing, the T4 budget
-- ``env``         the environment report every chapter prints first; Colab detection
+- ``measure``     the one reader of GPU memory (NVML, torch's allocator), peaks, phases, budgets; out of memory
+- ``env``         the environment report every chapter prints first; Colab detection; NVLink status
 
 Counting and formulas (no GPU needed)
 - ``accounting``  bytes of weights, gradients, optimizer states (sharded too) and saved activations
@@ -16,9 +16,9 @@ Counting and formulas (no GPU needed)
 
 Models, data, training
 - ``models``      offline model registry (full size and tiny twins), local checkpoints
-- ``data``        datasets that need no download: random tokens, a learnable Markov chain, keywords, on-the-fly tokenising
+- ``data``        datasets that need no download (random tokens, a Markov chain, keywords, tokenising), batches
 - ``packing``     variable-length documents into batches: padding, length grouping, packing with position ids
-- ``train``       a plain training loop for loss curves
+- ``train``       ``train.batches``, the name three chapters use for ``data.batches``
 - ``steps``       the book's training step: a batch on the device, one step with its phases marked
 
 Memory management
@@ -30,19 +30,19 @@ Several processes
 - ``launching``   start ``torchrun`` / ``accelerate launch`` from a notebook, stop them cleanly
 
 Time and memory over time (chapter 8)
-- ``profiler``    ``torch.profiler`` reduced to a category table, GPU-busy, phases and a timeline figure
+- ``profiler``    ``torch.profiler`` reduced to a category table, GPU-busy, phases and a timeline figure; the one
+                  trace reader and interval algebra; communication kernels and their overlap with compute
 - ``timing``      timing GPU work honestly: wall, CUDA-event and host clocks, spread, GPU-busy, a verdict
 - ``memsnap``     the allocator's history: memory over time by origin, its peak, the survivors of a step
 
 Communication (chapter 7)
-- ``collectives`` collectives timed in launched processes (nccl-tests' bus bandwidth), and read from a trace
+- ``collectives`` collectives timed in launched processes (nccl-tests' bus bandwidth)
 
 Planning (chapter 10)
 - ``plan``        predict a training step's peak memory by term and phase, suggest changes, measure, CLI
 
 Showing results
 - ``plots``       one figure style, stacked memory bars, line series
-- ``glue``        glue numbers into the book's prose
 - ``prose``       phrase helpers for the sentences that quote a run: listings, units, ``say``
 """
 

@@ -28,36 +28,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
-import torch
 
 from helpers import cleanup, measure
 
-# Collect garbage and empty the CUDA cache: the same cleanup as ``cleanup.free``.
+# Collect garbage and empty the CUDA cache: ``cleanup.collect``, under the name chapter 3 uses.
 release = cleanup.collect
 
-# RuntimeError messages that mean "out of memory" when a library allocates behind torch's back (cuBLAS,
-# cuDNN, NCCL, a raw CUDA call) instead of raising torch.OutOfMemoryError.
-OOM_MESSAGES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED", "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE")
+# The one out-of-memory test (``measure.is_out_of_memory``), under the name chapter 9 uses.
+is_out_of_memory = measure.is_out_of_memory
 
 
 def allocated_mib() -> float:
     """torch's allocated CUDA memory in MiB (``measure.allocator_mib``); NaN without CUDA.
 
-    The default memory reader of ``try_batch`` and ``largest_batch``.
+    The default memory reader of ``try_batch`` and ``largest_batch`` (chapter 3 also reads its
+    baseline with it).
 
     Introduced in chapter 3, section 3.2.
     """
     return measure.allocator_mib()["allocated_mib"]
-
-
-def is_out_of_memory(err: BaseException) -> bool:
-    """True for ``torch.OutOfMemoryError`` and for a ``RuntimeError`` whose message reports an allocation failure.
-
-    Introduced in chapter 3, section 3.2.
-    """
-    if isinstance(err, torch.OutOfMemoryError):
-        return True
-    return isinstance(err, RuntimeError) and any(m in str(err) for m in OOM_MESSAGES)
 
 
 def short_error(message: str) -> str:
@@ -91,8 +80,8 @@ def try_batch(
 ) -> Attempt:
     """Run ``step(batch_size)``; when it runs out of memory, record the failure instead of raising.
 
-    Out of memory is ``torch.OutOfMemoryError`` or a ``RuntimeError`` that ``is_out_of_memory``
-    recognises; any other exception propagates. After the call, successful or not, garbage is collected, the
+    Out of memory is what ``measure.is_out_of_memory`` recognises (``torch.OutOfMemoryError``, or a
+    ``RuntimeError`` reporting a library's allocation failure); any other exception propagates. After the call, successful or not, garbage is collected, the
     CUDA cache is emptied and ``memory_mib()`` is read into ``Attempt.memory_after_mib``.
 
     Introduced in chapter 3, section 3.1.

@@ -140,33 +140,89 @@ def free(namespace: dict[str, Any], *names: str) -> Freed:
     )
 
 
-def back_at_baseline(baseline_mib: float, tolerance_mib: float = 0.01) -> dict[str, float]:
-    """Release what a chapter still holds and check that allocated GPU memory is back at ``baseline_mib``.
+class LeakError(AssertionError):
+    """Allocated GPU memory did not come back to its baseline: the message says how many MiB are still held.
 
-    Collects garbage and reads the allocated memory; releases the cuBLAS workspaces (cuBLAS keeps one
-    per handle and stream that ran a matrix product, the autograd engine's thread included, until told
-    to let go; this uses PyTorch's own private call, ``torch._C._cuda_clearCublasWorkspaces``); collects
-    again and reads it once more. Returns the three numbers in MiB, labelled for a table: allocated
-    before clearing the workspaces, at the end, and ``baseline_mib`` (the start).
+    An ``AssertionError``, as a chapter's leak check is an assertion, but raised explicitly, so it also
+    fires under ``python -O``.
 
-    Raises ``AssertionError`` saying how many MiB are still allocated when the end exceeds the baseline
-    by more than ``tolerance_mib`` (a leak), and ``RuntimeError`` when CUDA is not in use: a chapter's
-    CPU path prints its ``skipped on CPU`` line instead of calling this.
+    Introduced in chapter 3's last cell (Memory back at the baseline).
+    """
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """Allocated GPU memory at a chapter's start, read by ``baseline`` with the cuBLAS workspaces released.
+
+    ``back_at_baseline`` takes it (or a bare number of MiB) and compares the end with it.
+
+    Introduced in chapter 3's last cell (Memory back at the baseline).
+    """
+
+    allocated_mib: float
+
+    def check(self, tolerance_mib: float = 0.01) -> dict[str, float]:
+        """``back_at_baseline(self, tolerance_mib)``."""
+        return back_at_baseline(self, tolerance_mib)
+
+
+def _release_all() -> None:
+    """Collect garbage, release the cuBLAS workspaces (when CUDA is in use), collect again."""
+    collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # cuBLAS keeps a workspace per handle and stream that ran a matrix product (the autograd engine's
+        # thread included) until told to let go; this is PyTorch's own private call for that.
+        torch._C._cuda_clearCublasWorkspaces()
+        collect()
+
+
+def baseline() -> Baseline:
+    """Read the allocated GPU memory a chapter's end must come back to, after releasing what would blur it.
+
+    Collects garbage and releases the cuBLAS workspaces before reading, as ``back_at_baseline`` does
+    before its own reading, so that a workspace created before the start (a matrix product in the
+    setup) neither hides a leak of its size at the end nor counts as one. NaN without a CUDA GPU;
+    0.0 before the first CUDA call (and reading creates no CUDA context).
+
+    >>> start = cleanup.baseline()          # first cells of a chapter
+    >>> cleanup.back_at_baseline(start)     # its last cell, on a GPU
+
+    Not used in a chapter yet: chapters 3, 4, 7, 8 and 9 pass ``back_at_baseline`` a number they read themselves.
+    """
+    _release_all()
+    return Baseline(measure.allocator_mib()["allocated_mib"])
+
+
+def back_at_baseline(start: Baseline | float, tolerance_mib: float = 0.01) -> dict[str, float]:
+    """Release what a chapter still holds and check that allocated GPU memory is back at its start.
+
+    ``start`` is a ``Baseline`` (from ``baseline``) or the allocated MiB a chapter read itself. Collects
+    garbage and reads the allocated memory; releases the cuBLAS workspaces (cuBLAS keeps one per handle
+    and stream that ran a matrix product, the autograd engine's thread included, until told to let go;
+    this uses PyTorch's own private call, ``torch._C._cuda_clearCublasWorkspaces``); collects again and
+    reads it once more. Returns the three numbers in MiB, labelled for a table: allocated before
+    clearing the workspaces, at the end, and at the start.
+
+    Raises ``LeakError`` (an ``AssertionError``) saying how many MiB are still allocated when the end
+    exceeds the start by more than ``tolerance_mib`` (a leak); ``RuntimeError`` when CUDA is not in
+    use (a chapter's CPU path prints its ``skipped on CPU`` line instead of calling this);
+    ``ValueError`` for a start that is not a reading (NaN: read without a GPU).
 
     >>> rows = back_at_baseline(baseline_mib)      # the last cell of a chapter, on a GPU
 
-    Introduced in chapter 3's last cell (Memory back at the baseline); chapter 8's last cell uses it too.
+    Introduced in chapter 3's last cell (Memory back at the baseline); chapters 4, 7, 8 and 9 end with it too.
     """
+    baseline_mib = float(start.allocated_mib if isinstance(start, Baseline) else start)
+    if baseline_mib != baseline_mib or baseline_mib < 0:
+        raise ValueError(f"the start must be allocated MiB read on a GPU (>= 0), got {baseline_mib}")
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         raise RuntimeError("back_at_baseline checks GPU memory: CUDA is not in use in this process")
     collect()
     held_mib = measure.allocator_mib()["allocated_mib"]
-    torch._C._cuda_clearCublasWorkspaces()
-    collect()
+    _release_all()
     end_mib = measure.allocator_mib()["allocated_mib"]
-    assert end_mib <= baseline_mib + tolerance_mib, (
-        f"{end_mib - baseline_mib:.2f} MiB still allocated at the end (start {baseline_mib:.2f} MiB): a leak"
-    )
+    if end_mib > baseline_mib + tolerance_mib:
+        raise LeakError(f"{end_mib - baseline_mib:.2f} MiB still allocated at the end (start {baseline_mib:.2f} MiB): a leak")
     return {
         "allocated before clearing the cuBLAS workspaces (MiB)": held_mib,
         "allocated at the end (MiB)": end_mib,

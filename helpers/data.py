@@ -8,6 +8,7 @@
 - ``keyword_dataset``: sequence classification, label 1 when a keyword token occurs anywhere.
 - ``TokenizingDataset``: pseudo-texts tokenised on the fly in pure Python: real CPU work per sample,
   for measuring data-loading stalls.
+- ``batches``: any of them as a ``DataLoader`` of whole, seeded batches.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import math
 import numpy as np
 import torch
 from datasets import Dataset
+from torch.utils.data import DataLoader
 
 
 def _check_sizes(n_samples: int, seq_len: int) -> None:
@@ -212,3 +214,18 @@ class TokenizingDataset:
         mask = torch.zeros(self.seq_len, dtype=torch.long)
         mask[:n] = 1
         return {"input_ids": input_ids, "attention_mask": mask, "labels": torch.tensor(index % self.num_labels)}
+
+
+def batches(dataset: Dataset, batch_size: int, *, seed: int = 0, shuffle: bool = True) -> DataLoader:
+    """A ``DataLoader`` of dict batches from a torch-format dataset, shuffled with ``seed``.
+
+    Only whole batches: the last ``len(dataset) % batch_size`` samples of each epoch are dropped.
+
+    >>> next(iter(batches(dummy_dataset(64, 128), 8)))["input_ids"].shape   # (8, 128)
+
+    Introduced in chapter 3, section 3.3.
+    """
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    gen = torch.Generator().manual_seed(seed)
+    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=gen, drop_last=True)

@@ -5,8 +5,8 @@ one rank holds (``DTensor`` shards, wrapped optimizers) in ``accounting``, start
 in ``launching``.
 
 - ``init_process_group``: NCCL with one GPU per process, or gloo on CPUs.
-- ``exit_all_ranks_on_oom``: a rank that runs out of memory while the others wait for it in a
-  collective would leave them waiting until NCCL's timeout (minutes). Instead it prints one clear
+- ``exit_all_ranks_on_oom``: a rank that runs out of memory (``measure.is_out_of_memory``) while the
+  others wait for it in a collective would leave them waiting until NCCL's timeout (minutes). Instead it prints one clear
   line and ends its process at once; the launcher (``torchrun``, ``accelerate launch``) then stops
   the other ranks, and ``launching.run`` raises with that line in its message.
 """
@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+
+from helpers.measure import is_out_of_memory
 
 # Exit status of a rank that ran out of memory (any non-zero status makes the launcher stop the others).
 OOM_EXIT_CODE = 3
@@ -52,7 +54,9 @@ def exit_all_ranks_on_oom(what: str) -> Iterator[None]:
     an all-gather in FSDP's forward); catching the error and going on would leave them waiting. So
     the rank prints ``rank R: out of memory during WHAT: ...`` to standard error and exits with
     ``OOM_EXIT_CODE`` at once, without Python's shutdown (which could itself wait on the process
-    group). The launcher sees the failure and stops every other rank.
+    group). The launcher sees the failure and stops every other rank. Out of memory means what
+    ``measure.is_out_of_memory`` says (``torch.OutOfMemoryError``, or cuBLAS/cuDNN reporting a failed
+    allocation); any other error propagates as usual.
 
     >>> with exit_all_ranks_on_oom("zero2 training"):
     ...     train(...)
@@ -61,7 +65,9 @@ def exit_all_ranks_on_oom(what: str) -> Iterator[None]:
     """
     try:
         yield
-    except torch.OutOfMemoryError as err:
+    except RuntimeError as err:  # torch.OutOfMemoryError is one
+        if not is_out_of_memory(err):
+            raise
         rank = os.environ.get("RANK", "?")
         first = str(err).strip().splitlines()[0] if str(err).strip() else "out of memory"
         print(f"rank {rank}: out of memory during {what}: {first}; stopping every rank", file=sys.stderr, flush=True)

@@ -1,4 +1,4 @@
-"""The environment report printed at the top of every chapter, and Colab detection.
+"""The environment report printed at the top of every chapter, Colab detection, and the GPUs' NVLink links.
 
 The report reads the GPU through NVML, so printing it does not create a CUDA context: chapter 1
 measures the context's cost afterwards and needs a clean start.
@@ -10,6 +10,9 @@ import importlib.metadata
 import logging
 import os
 import platform
+import re
+import shutil
+import subprocess
 import sys
 import warnings
 
@@ -110,3 +113,49 @@ def quiet() -> None:
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' loading/saving bars
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
+
+# --- the GPUs' links: what nvidia-smi reports (chapter 7) --------------------------------------------
+
+_LINK_RE = re.compile(r"^\s*Link\s+(\d+):\s*([0-9.]+)\s*GB/s", re.I)
+_GPU_RE = re.compile(r"^\s*GPU\s+(\d+):", re.I)
+
+
+def parse_nvlink_status(text: str) -> dict[int, list[float]]:
+    """The active NVLink links of each GPU, in GB/s, from the output of ``nvidia-smi nvlink -s``.
+
+    The command prints ``GPU i: <name> (UUID: ...)`` and then one ``Link k: <speed> GB/s`` line per
+    link (``Link k: <inactive>`` for one that is down, which is left out). A GPU without NVLink gets
+    an empty list; text in another shape gives ``{}``.
+
+    Introduced in chapter 7, section 7.7.
+    """
+    out: dict[int, list[float]] = {}
+    gpu = None
+    for line in text.splitlines():
+        if m := _GPU_RE.match(line):
+            gpu = int(m.group(1))
+            out[gpu] = []
+        elif (m := _LINK_RE.match(line)) and gpu is not None:
+            out[gpu].append(float(m.group(2)))
+    return out
+
+
+def nvlink_status(timeout_s: float = 20.0) -> tuple[str, dict[int, list[float]]] | None:
+    """Run ``nvidia-smi nvlink -s``: its output and ``parse_nvlink_status`` of it; None if it cannot run.
+
+    None when ``nvidia-smi`` is missing, fails, or times out: the caller then says that the link's
+    nominal bandwidth is unknown. (The speeds are per link and direction as the driver reports them.)
+
+    Introduced in chapter 7, section 7.7.
+    """
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        done = subprocess.run([exe, "nvlink", "-s"], capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    return done.stdout, parse_nvlink_status(done.stdout)

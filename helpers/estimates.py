@@ -266,7 +266,7 @@ def communication_table(
 ) -> pd.DataFrame:
     """One row per engine and collective: ``S``, the bytes each rank sends and the bus bytes, per step.
 
-    Sum a column by engine for the step's total; ``ratio_to_ddp`` divides those totals by DDP's.
+    Sum a column by engine for the step's total.
 
     Introduced in chapter 7, section 7.7.
     """
@@ -277,14 +277,3 @@ def communication_table(
                                                    grad_bytes=grad_bytes)
     ]
     return pd.DataFrame(rows)
-
-
-def ratio_to_ddp(table: pd.DataFrame, column: str = "sent per rank (bytes)") -> pd.Series:
-    """Each engine's per-step total of ``column`` over DDP's (the table must include DDP).
-
-    Not used in a chapter (chapter 7 compares S per collective instead).
-    """
-    totals = table.groupby("engine", sort=False)[column].sum()
-    if "ddp" not in totals.index:
-        raise ValueError("the table has no DDP rows to compare with")
-    return totals / totals["ddp"]

@@ -1,4 +1,4 @@
-"""Memory and time measurement.
+"""Memory measurement: the one reader of GPU memory, peaks, phases, budgets.
 
 Four memory numbers, never mixed up:
 
@@ -8,16 +8,19 @@ Four memory numbers, never mixed up:
 - torch *allocated*: bytes in live tensors.
 - *peak allocated*: the most allocated since the last reset.
 
-All memory is reported in MiB (2**20 bytes). Time is the median of timed repeats after warm-up,
-with the device synchronised before each clock read.
+All memory is reported in MiB (2**20 bytes). Without a CUDA GPU the allocator numbers are NaN.
+
+Also here, because every memory-aware helper needs them: ``PHASES``, the names of a training step's
+phases that ``steps``, ``profiler`` and ``memsnap`` share, and ``is_out_of_memory``, the one test of
+whether an error means the GPU ran out of memory (``batching`` and ``distributed`` both ask it).
+Time is ``timing``'s job (``PhaseRecorder`` notes each phase's wall time only as a side note).
 """
 
 from __future__ import annotations
 
 import os
-import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -71,7 +74,9 @@ def nvml_device(index: int = 0) -> Iterator[object]:
 
     Maps ``index`` through ``CUDA_VISIBLE_DEVICES``, so a process that sees one GPU of a shared
     machine reads that GPU, not the machine's first. Raises ``RuntimeError`` without NVML (no NVIDIA
-    driver) or when ``index`` is not a visible GPU. Creates no CUDA context.
+    driver) or when ``index`` is not a visible GPU. Creates no CUDA context. Assumes CUDA numbers the
+    GPUs in NVML's (PCI bus) order, as it does with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` and on a machine
+    of one GPU model; CUDA's default order (fastest first) can differ on a machine with mixed GPUs.
 
     Introduced in chapter 1, section 1.1.
     """
@@ -147,22 +152,158 @@ def allocator_mib(device: int | str | torch.device | None = None) -> dict[str, f
     }
 
 
+# The phases of one training step, in order: the names ``steps.train_step`` marks with
+# ``record_function``, ``profiler`` splits a step's kernels by, and ``memsnap`` files allocations under.
+PHASES = ("forward", "backward", "optimizer")
+
+# RuntimeError messages that mean "out of memory" when a library allocates behind torch's back (cuBLAS,
+# cuDNN, NCCL, a raw CUDA call) instead of raising torch.OutOfMemoryError.
+OOM_MESSAGES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED", "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE")
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """True for ``torch.OutOfMemoryError`` and for a ``RuntimeError`` whose message reports an allocation failure.
+
+    A library that allocates GPU memory behind torch's back reports the failure in its own words
+    (cuBLAS's ``CUBLAS_STATUS_ALLOC_FAILED``, cuDNN's ``CUDNN_STATUS_ALLOC_FAILED``, CUDA's
+    ``out of memory``); those count too (``OOM_MESSAGES``). The one definition the book uses:
+    ``batching.try_batch`` catches what it accepts, ``distributed.exit_all_ranks_on_oom`` ends a
+    launch on it.
+
+    >>> is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))
+    True
+
+    Introduced in chapter 3, section 3.2.
+    """
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    return isinstance(err, RuntimeError) and any(m in str(err) for m in OOM_MESSAGES)
+
+
 def synchronize(device: str | torch.device) -> None:
-    """Wait for queued GPU work (no-op on CPU), so a clock read covers the work.
+    """Wait for queued GPU work (no-op on CPU, and before the first CUDA call), so a clock read covers the work.
 
     Introduced in chapter 1, section 1.3.
     """
-    if torch.device(device).type == "cuda":
+    if torch.device(device).type == "cuda" and torch.cuda.is_initialized():
         torch.cuda.synchronize(device)
+
+
+class _OpenPeak:
+    """A peak being measured (a ``peak`` block or a ``PhaseRecorder`` phase): its device and the highest
+    peak counter seen before an inner reset."""
+
+    def __init__(self, device: int | str | torch.device | None):
+        self.key = _device_key(device)
+        self.seen = 0.0
+
+
+# Peaks being measured now, innermost last. Every reset goes through ``reset_peak``, which first raises
+# their ``seen`` to the counter, so an inner reset never hides a peak an enclosing measurement saw.
+_open_peaks: list[_OpenPeak] = []
+
+
+def _device_key(device: int | str | torch.device | None) -> int | None:
+    """The CUDA device index that ``device`` names; None for a CPU device."""
+    if isinstance(device, int):
+        return device
+    d = torch.device(device if device is not None else "cuda")
+    if d.type != "cuda":
+        return None
+    if d.index is not None:
+        return d.index
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+
+
+def _keep_open_peaks(device: int | str | torch.device | None) -> None:
+    """Before the counter is reset: note its value in every open peak of the same device."""
+    key = _device_key(device)
+    mine = [p for p in _open_peaks if p.key == key and key is not None]
+    if not mine:
+        return
+    now = allocator_mib(device)["peak_allocated_mib"]
+    if now == now:  # not NaN
+        for p in mine:
+            p.seen = max(p.seen, now)
 
 
 def reset_peak(device: str | torch.device) -> None:
     """Make the next peak reading start from the current allocation (CUDA only; no-op on CPU).
 
+    An enclosing ``peak`` block or ``PhaseRecorder`` phase keeps the peak it saw before this reset.
+
     Introduced in chapter 1, section 1.3.
     """
-    if torch.device(device).type == "cuda":
+    if torch.device(device).type == "cuda" and torch.cuda.is_initialized():
+        _keep_open_peaks(device)
         torch.cuda.reset_peak_memory_stats(device)
+
+
+@contextmanager
+def _measured_peak(device: int | str | torch.device | None) -> Iterator[_OpenPeak]:
+    """Synchronise and reset the peak counter, register an open peak for the block, unregister it after."""
+    dev = device if device is not None else "cuda"
+    if isinstance(dev, int):
+        dev = torch.device("cuda", dev)
+    synchronize(dev)
+    _keep_open_peaks(dev)
+    reset_peak(dev)
+    tracker = _OpenPeak(dev)
+    _open_peaks.append(tracker)
+    try:
+        yield tracker
+    finally:
+        _open_peaks.remove(tracker)
+        synchronize(dev)
+
+
+@dataclass
+class Peak:
+    """What ``peak`` measured: allocated MiB when the block began (``start_mib``) and the most allocated
+    at any moment inside it (``mib``). NaN on a CPU, and while the block runs.
+
+    Not used in a chapter yet: chapter 1, section 1.3 reads peaks per phase with ``PhaseRecorder``.
+    """
+
+    start_mib: float = float("nan")
+    mib: float = float("nan")
+
+    @property
+    def extra_mib(self) -> float:
+        """The block's own peak: its most allocated less what was already allocated when it began."""
+        return self.mib - self.start_mib
+
+
+@contextmanager
+def peak(device: int | str | torch.device | None = None) -> Iterator[Peak]:
+    """Measure the peak allocated GPU memory of the ``with`` block, in MiB (NaN on a CPU).
+
+    Synchronises and resets the allocator's peak counter when the block starts; when it ends,
+    synchronises and reads the peak into the yielded ``Peak`` (``.mib``; ``.start_mib`` is what was
+    allocated when it began). ``device`` defaults to the current CUDA device, or the CPU without CUDA.
+    Blocks nest, with each other and with ``PhaseRecorder`` phases and ``reset_peak``: an inner reset
+    does not hide a peak the outer block saw before it. (A direct ``torch.cuda.reset_peak_memory_stats``
+    call inside the block would.)
+
+    >>> with measure.peak() as p:
+    ...     loss = model(**batch).loss
+    >>> p.mib, p.extra_mib
+
+    Not used in a chapter yet: chapter 1, section 1.3 reads peaks per phase with ``PhaseRecorder``.
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    result = Peak()
+    if _device_key(device) is None:  # a CPU: nothing to measure, the block still runs
+        yield result
+        return
+    tracker = None
+    try:
+        with _measured_peak(device) as tracker:
+            result.start_mib = allocator_mib(device)["allocated_mib"]
+            yield result
+    finally:  # read even when the block raised (an out-of-memory demonstration)
+        result.mib = max(allocator_mib(device)["peak_allocated_mib"], tracker.seen if tracker else 0.0)
 
 
 @dataclass
@@ -200,81 +341,31 @@ class PhaseRecorder:
 
     device: str | torch.device
     records: list[PhaseRecord] = field(default_factory=list)
-    _open_peaks: list[float] = field(default_factory=list, repr=False)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Time the ``with`` block and record its memory under ``name``."""
         cuda = torch.device(self.device).type == "cuda"
-        synchronize(self.device)
-        if cuda and self._open_peaks:  # keep the enclosing phase's peak before resetting the counter
-            self._open_peaks[-1] = max(self._open_peaks[-1], allocator_mib(self.device)["peak_allocated_mib"])
-        reset_peak(self.device)
-        self._open_peaks.append(0.0)
         slot = len(self.records)
         nan = float("nan")
         self.records.append(PhaseRecord(name, nan, nan, nan, nan))
-        start = time.perf_counter()
+        tracker, start = None, time.perf_counter()
         try:
-            yield
-        finally:
-            synchronize(self.device)
+            with _measured_peak(self.device) as tracker:
+                start = time.perf_counter()
+                yield
+        finally:  # a phase that raised (an out-of-memory demonstration) is recorded too
             elapsed = time.perf_counter() - start
-            inner_peak = self._open_peaks.pop()
             rec = PhaseRecord(name, elapsed, nan, nan, nan)
             if cuda:
                 stats = allocator_mib(self.device)
-                peak = max(stats["peak_allocated_mib"], inner_peak)
-                rec = PhaseRecord(name, elapsed, stats["allocated_mib"], peak, stats["reserved_mib"])
-                if self._open_peaks:
-                    self._open_peaks[-1] = max(self._open_peaks[-1], peak)
+                peak_mib = max(stats["peak_allocated_mib"], tracker.seen if tracker else 0.0)
+                rec = PhaseRecord(name, elapsed, stats["allocated_mib"], peak_mib, stats["reserved_mib"])
             self.records[slot] = rec
 
     def to_frame(self) -> pd.DataFrame:
         """One row per phase, in the order they started."""
         return pd.DataFrame([vars(r) for r in self.records]).set_index("phase")
-
-
-@dataclass(frozen=True)
-class Timing:
-    """Timed repeats of one function, in seconds.
-
-    Introduced in chapter 1, section 1.7.
-    """
-
-    times_s: tuple[float, ...]
-
-    @property
-    def median_s(self) -> float:
-        return statistics.median(self.times_s)
-
-    @property
-    def spread_s(self) -> float:
-        """max - min of the repeats: differences smaller than this are noise."""
-        return max(self.times_s) - min(self.times_s)
-
-
-def time_fn(
-    fn: Callable[[], object], *, device: str | torch.device, warmup: int = 2, repeat: int = 5
-) -> Timing:
-    """Time ``fn()``: ``warmup`` untimed calls, then ``repeat`` timed ones, synchronising the device.
-
-    >>> time_fn(lambda: x @ x, device="cuda").median_s
-
-    Introduced in chapter 1, section 1.7.
-    """
-    if warmup < 0 or repeat < 1:
-        raise ValueError(f"need warmup >= 0 and repeat >= 1, got warmup={warmup}, repeat={repeat}")
-    for _ in range(warmup):
-        fn()
-    synchronize(device)
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return Timing(tuple(times))
 
 
 @dataclass(frozen=True)

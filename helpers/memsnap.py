@@ -34,17 +34,12 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 
-from helpers.measure import GIB
+from helpers.measure import GIB, PHASES
+from helpers.profiler import PHASE_COLORS
 from helpers.profiles import require_cuda
 
-ORIGINS = ("before recording", "forward", "backward", "optimizer", "other")
-ORIGIN_COLORS = {
-    "before recording": "#B0B0B0",
-    "forward": "#4C72B0",
-    "backward": "#DD8452",
-    "optimizer": "#55A868",
-    "other": "#8172B3",
-}
+ORIGINS = ("before recording", *PHASES, "other")  # a step's phases as measure.PHASES names them
+ORIGIN_COLORS = {"before recording": "#B0B0B0", **PHASE_COLORS, "other": "#8172B3"}
 
 
 @dataclass

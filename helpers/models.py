@@ -1,8 +1,9 @@
 """Offline model builders: a registry of real architectures, each with a ``tiny`` twin.
 
-Nothing here downloads anything unless ``load_real_weights`` is called on purpose. Models are built
-from configs with random weights; where a chapter must show the real ``from_pretrained`` path
-(quantized loading, adapters), ``save_checkpoint`` writes a local checkpoint first.
+Nothing here downloads anything. Models are built from configs with random weights (each registry
+entry names its Hub id, for readers who want the real weights with ``from_pretrained`` afterwards);
+where a chapter must show the real ``from_pretrained`` path (quantized loading, adapters),
+``save_checkpoint`` writes a local checkpoint first.
 
 >>> model = build("bert-large-uncased", head="sequence-classification", dtype=torch.bfloat16)
 >>> model = build("polyglot-ko-1.3b", profile="tiny", head="causal-lm")
@@ -10,12 +11,9 @@ from configs with random weights; where a chapter must show the real ``from_pret
 
 from __future__ import annotations
 
-import os
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-import pandas as pd
 import torch
 from torch import nn
 from transformers import (
@@ -168,26 +166,6 @@ def n_params(model: nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
-def summary(head: str | None = None) -> pd.DataFrame:
-    """Parameter counts of every registry model, full size and tiny twin (built on ``meta``).
-
-    Not used in a chapter yet: the registry's sizes at a glance (chapter 1, section 1.1 builds its models).
-    """
-    rows = []
-    for name, entry in REGISTRY.items():
-        h = head if head in entry.heads else entry.heads[0]
-        full = build(name, profile="full", head=h, device="meta")
-        tiny = build(name, profile="tiny", head=h, device="meta")
-        rows.append(
-            {
-                "model": name, "head": h, "layers": full.config.num_hidden_layers,
-                "hidden": full.config.hidden_size, "params_full": n_params(full),
-                "params_tiny": n_params(tiny),
-            }
-        )
-    return pd.DataFrame(rows).set_index("model")
-
-
 def save_checkpoint(model: nn.Module, path: str | Path) -> Path:
     """Save ``model`` as a local Hugging Face checkpoint (safetensors + config) and return its path.
 
@@ -202,33 +180,3 @@ def save_checkpoint(model: nn.Module, path: str | Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     return path
-
-
-def hub_reachable(timeout_s: float = 3.0) -> bool:
-    """True when huggingface.co answers within ``timeout_s`` (and offline mode is not set).
-
-    Not used in a chapter: the chapters never download (see the setup page).
-    """
-    if os.environ.get("HF_HUB_OFFLINE") == "1":
-        return False
-    try:
-        urllib.request.urlopen("https://huggingface.co", timeout=timeout_s)
-        return True
-    except Exception:
-        return False
-
-
-def load_real_weights(name: str, *, head: str = "base", dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Download and load the real pretrained weights of ``name``. Only when asked, only online.
-
-    The book never needs this (memory and time do not depend on the weights' values); it is here
-    for readers in Colab who want to fine-tune the real model after a chapter.
-
-    Not used in a chapter: for readers who want the real weights afterwards (see the setup page).
-    """
-    entry = spec(name)
-    if head not in entry.heads:
-        raise ValueError(f"{name} has no {head!r} head here; choose one of {', '.join(entry.heads)}")
-    if not hub_reachable():
-        raise RuntimeError(f"cannot load {entry.hub_id}: the Hugging Face hub is not reachable from here")
-    return _HEAD_CLASSES[head].from_pretrained(entry.hub_id, dtype=dtype)

@@ -23,6 +23,11 @@ per CUDA stream), so the gaps in which the GPU waits are visible without a trace
 
 On a CPU the same calls work with CPU activities only: the category table then splits CPU
 operator self time (time in an operator minus the operators it called), and ``gpu_busy`` is None.
+
+The one reader of Chrome traces in the package is here (``read_trace``), with the one interval algebra
+(``union``, ``union_length``, ``intersection_length``). Chapter 7 reads communication kernels out of a
+rank's trace with it: ``communication_from_trace`` (per collective: calls, bytes, kernel time and the
+bandwidths that implies) and ``communication_overlap`` (how much of that time ran beside compute).
 """
 
 from __future__ import annotations
@@ -40,6 +45,9 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 from torch.profiler import ProfilerActivity, schedule
+
+from helpers.estimates import COLLECTIVES, bus_factor
+from helpers.measure import PHASES
 
 CATEGORIES = (
     "GEMM",
@@ -59,21 +67,31 @@ CATEGORY_COLORS = {
     "memcpy / memset": "#937860",
     "other": "#8C8C8C",
 }
-PHASE_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "optimizer": "#55A868"}
-DEFAULT_PHASES = ("forward", "backward", "optimizer")
+PHASE_COLORS = dict(zip(PHASES, ("#4C72B0", "#DD8452", "#55A868"), strict=True))  # memsnap's too
+DEFAULT_PHASES = PHASES  # the step's phases as measure.PHASES names them (steps.train_step marks them)
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 # CUDA runtime/driver calls that start work on the GPU.
 LAUNCH_CALLS = re.compile(r"^(cudaLaunchKernel|cudaLaunchKernelExC|cuLaunchKernel|cuLaunchKernelEx|cudaLaunchCooperativeKernel|cudaGraphLaunch|cudaMemcpyAsync|cudaMemsetAsync|cuMemcpy|cuMemset)")
 
 # Kernel names, matched in this order (names differ between GPU generations and libraries: cuBLAS's
-# Hopper kernels are called nvjet_*, CUTLASS's sm90_xmma_*, older ones *gemm*).
+# Hopper kernels are called nvjet_*, CUTLASS's sm90_xmma_*, older ones *gemm*; Inductor's Triton GEMM
+# templates, from torch.compile(mode="max-autotune"), triton_tem_fused_mm_0 or ..._addmm_gelu_1, and its
+# generated element-wise and reduction kernels triton_poi_*, triton_red_*, triton_per_*).
+# Short operator words (add, cat, exp, index, norm, ...) count only as whole words of a kernel name: a
+# word starts after a non-letter or with a capital, and ends before anything but a lower-case letter
+# (CUDAFunctor_add, CatArrayBatchedCopy, indexSelectLargeIndex, DeviceReduceKernel), so that an unknown
+# kernel that merely contains them (concatenate, expand, address, normalize) stays "other".
+_WORD = r"(?:(?<!(?-i:[a-z]))|(?=(?-i:[A-Z])))(?:{})(?!(?-i:[a-z]))"
 _KERNEL_RULES = (  # (NCCL kernels are ``communication`` before any rule: see kernel_category)
     ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn::fusion", re.I)),
-    ("GEMM", re.compile(r"gemm|gemv|nvjet|xmma|cutlass|cublas|matmul|splitkreduce|dot_kernel", re.I)),
+    ("GEMM", re.compile(
+        r"gemm|gemv|nvjet|xmma|cutlass|cublas|matmul|splitkreduce|dot_kernel|triton_tem|"
+        + _WORD.format(r"mm_\d+|mm|addmm|bmm|baddbmm"), re.I)),
     ("element-wise / normalisation", re.compile(
-        r"elementwise|vectorized|unrolled|reduce|norm|softmax|dropout|gelu|silu|relu|tanh|copy|fill|cat|index|"
-        r"embedding|gather|scatter|nll|cross_entropy|loss|where|pow|mul|add|div|sqrt|exp|arange|triu|tril|"
-        r"multi_tensor_apply|foreach|cast|gammabeta|philox|sort", re.I)),
+        r"elementwise|vectorized|unrolled|reduce_kernel|softmax|layer_?norm|batch_?norm|group_?norm|rms_?norm|"
+        r"dropout|embedding|cross_entropy|multi_tensor_apply|foreach|gammabeta|philox|triton_(?:poi|red|per)_|"
+        + _WORD.format(r"reduce|norm|gelu|silu|relu|tanh|copy|fill|cat|index|gather|scatter|nll|loss|where|pow|"
+                       r"mul|add|div|sqrt|exp|arange|triu|tril|cast|sort"), re.I)),
 )
 # CPU operators (for CPU-only runs), matched in this order.
 _CPU_OP_RULES = (
@@ -88,8 +106,10 @@ _CPU_OP_RULES = (
 def kernel_category(name: str, *, cat: str = "kernel", phase: str | None = None) -> str:
     """The category of one GPU event: by its trace category, the phase that launched it, its name.
 
-    Copies and memsets are ``memcpy / memset``; anything launched inside the ``optimizer`` range is
-    ``optimizer``; otherwise the kernel name decides (see ``_KERNEL_RULES``); unknown names are
+    Copies and memsets are ``memcpy / memset``; NCCL's kernels ``communication``; anything launched
+    inside the ``optimizer`` range is ``optimizer``; otherwise the kernel name decides (see
+    ``_KERNEL_RULES``: cuBLAS, CUTLASS and Inductor's Triton templates are GEMM; PyTorch's and
+    Inductor's point-wise and reduction kernels element-wise / normalisation); unknown names are
     ``other``.
 
     Introduced in chapter 8, section 8.2.
@@ -116,23 +136,44 @@ def cpu_op_category(name: str, *, phase: str | None = None) -> str:
     return _by_rules(name, phase, _CPU_OP_RULES)
 
 
+def union(intervals: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The ``(start, end)`` intervals merged where they overlap or touch: sorted and disjoint.
+
+    Introduced in chapter 8, section 8.2.
+    """
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if end < start:
+            raise ValueError(f"interval ends before it starts: {(start, end)}")
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
 def union_length(intervals: Sequence[tuple[float, float]]) -> float:
     """Total length covered by ``(start, end)`` intervals, overlaps counted once.
 
     Introduced in chapter 8, section 8.2.
     """
-    total, cur_start, cur_end = 0.0, None, None
-    for start, end in sorted(intervals):
-        if end < start:
-            raise ValueError(f"interval ends before it starts: {(start, end)}")
-        if cur_end is None or start > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = start, end
+    return sum(end - start for start, end in union(intervals))
+
+
+def intersection_length(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> float:
+    """Total length covered by both ``a`` and ``b`` (each a list of intervals, overlaps counted once).
+
+    Introduced in chapter 7, section 7.7 (hidden communication: ``communication_overlap``).
+    """
+    a, b = union(a), union(b)
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
         else:
-            cur_end = max(cur_end, end)
-    if cur_end is not None:
-        total += cur_end - cur_start
+            j += 1
     return total
 
 
@@ -150,7 +191,12 @@ def _self_times(ops: pd.DataFrame) -> pd.Series:
     return self_us.clip(lower=0.0)
 
 
-def _read_trace(path: Path) -> list[dict]:
+def read_trace(path: str | Path) -> list[dict]:
+    """The ``traceEvents`` of a Chrome trace file that ``torch.profiler`` wrote, gzipped (``.gz``) or not.
+
+    Introduced in chapter 8, section 8.2.
+    """
+    path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as f:
         return json.load(f)["traceEvents"]
@@ -313,7 +359,7 @@ def from_trace(path: str | Path, *, phases: Sequence[str] = DEFAULT_PHASES, devi
     Introduced in chapter 8, section 8.2.
     """
     path = Path(path)
-    raw = [e for e in _read_trace(path) if e.get("ph") == "X"]
+    raw = [e for e in read_trace(path) if e.get("ph") == "X"]
     if not raw:
         raise ValueError(f"{path} holds no complete events: was anything profiled?")
     steps = sorted(
@@ -502,3 +548,129 @@ def timeline(prof: StepProfile, *, step: int = 0, title: str | None = None, ax: 
     ax.set_title(title)
     fig.tight_layout()
     return fig
+
+
+# --- communication kernels of a trace (chapter 7) -----------------------------------------------------
+
+GB = 1e9  # bandwidth in GB/s (decimal), as nccl-tests and link specifications print it
+
+# Element sizes of the dtype names PyTorch writes into NCCL kernels' trace arguments.
+_DTYPE_BYTES = {"float": 4, "float32": 4, "double": 8, "float64": 8, "half": 2, "float16": 2, "bfloat16": 2,
+                "long": 8, "int64": 8, "int": 4, "int32": 4, "short": 2, "char": 1, "byte": 1, "bool": 1,
+                "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def collective_kind(name: str) -> str:
+    """``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast`` or ``other`` for a collective's name
+    (``allreduce``, ``_reduce_scatter_base``, ``ncclDevKernel_AllGather_RING_LL``, ...).
+
+    Introduced in chapter 7, section 7.7 (collective_kind names the collectives of a trace).
+    """
+    key = re.sub(r"[^a-z]", "", name.lower())
+    for kind, word in (("reduce_scatter", "reducescatter"), ("all_reduce", "allreduce"),
+                       ("all_gather", "allgather"), ("broadcast", "broadcast")):
+        if word in key:
+            return kind
+    return "other"
+
+
+def communication_from_trace(path: str | Path) -> pd.DataFrame:
+    """Per collective, the communication kernels of a ``torch.profiler`` Chrome trace of one rank on GPUs.
+
+    Kernels are those ``kernel_category`` calls ``communication`` (NCCL's). Their trace
+    arguments (``Collective name``, ``In msg nelems``, ``Out msg nelems``, ``dtype``, ``Group size``)
+    give ``S`` = the larger of input and output, as in nccl-tests. Returns calls, ``S`` summed (MiB),
+    kernel time (ms) and the bandwidths that implies. A kernel's time includes waiting for the other
+    ranks to arrive, so the bandwidths are lower bounds of what the link did; the time is what the
+    step spent in communication kernels (hidden behind compute or not: ``communication_overlap``).
+    Where the kernels carry no sizes, the sizes come from the CPU-side records of the same
+    collectives (``record_param_comms`` events, which carry the same arguments), per collective kind;
+    ``S`` is NaN where neither has them.
+
+    Introduced in chapter 7, section 7.7.
+    """
+    events = read_trace(path)
+    rows, cpu_rows = [], []
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        args = e.get("args", {})
+        if e.get("cat") == "cpu_op" and "Collective name" in args:  # PyTorch's record_param_comms
+            kind, size, n = _comm_args(args, "")
+            cpu_rows.append({"collective": kind, "size_bytes": size, "n_ranks": n})
+            continue
+        if e.get("cat") != "kernel" or kernel_category(e.get("name", ""), cat="kernel") != "communication":
+            continue
+        kind, size, n = _comm_args(args, e["name"])
+        rows.append({"collective": kind, "size_bytes": size, "time_s": float(e.get("dur", 0.0)) / 1e6,
+                     "n_ranks": n})
+    columns = ["calls", "S (MiB)", "kernel time (ms)", "algbw (GB/s)", "busbw (GB/s)"]
+    if not rows:
+        return pd.DataFrame(columns=columns).rename_axis("collective")
+    df = pd.DataFrame(rows)
+    out = df.groupby("collective").agg(calls=("time_s", "size"), size=("size_bytes", "sum"),
+                                       time=("time_s", "sum"), n=("n_ranks", "max"))
+    unknown = df.groupby("collective")["size_bytes"].apply(lambda v: bool(v.isna().any()))
+    if unknown.any():  # kernels without sizes: take the sizes of the CPU-side records, if any
+        cpu = (pd.DataFrame(cpu_rows).groupby("collective").agg(size=("size_bytes", "sum"), n=("n_ranks", "max"))
+               if cpu_rows else pd.DataFrame(columns=["size", "n"]))
+        for kind in unknown[unknown].index:
+            if kind in cpu.index and pd.notna(cpu.loc[kind, "size"]):
+                out.loc[kind, "size"] = cpu.loc[kind, "size"]
+                out.loc[kind, "n"] = max(out.loc[kind, "n"], cpu.loc[kind, "n"])
+            else:
+                out.loc[kind, "size"] = float("nan")
+    out["algbw (GB/s)"] = out["size"] / out["time"] / GB
+    out["busbw (GB/s)"] = [
+        a * bus_factor(c, int(n)) if c in COLLECTIVES and n >= 1 else float("nan")
+        for c, a, n in zip(out.index, out["algbw (GB/s)"], out["n"], strict=True)
+    ]
+    out = out.rename(columns={"size": "S (MiB)", "time": "kernel time (ms)"})
+    out["S (MiB)"] /= 2**20
+    out["kernel time (ms)"] *= 1e3
+    return out[columns]
+
+
+def _comm_args(args: dict, name: str) -> tuple[str, float, int]:
+    """(kind, S in bytes or NaN, group size) from a trace event's collective arguments."""
+    kind = collective_kind(str(args.get("Collective name", "")) or name)
+    nelems = max(int(args.get("In msg nelems", 0) or 0), int(args.get("Out msg nelems", 0) or 0))
+    elem = _DTYPE_BYTES.get(str(args.get("dtype", "")).lower())
+    has_size = elem is not None and ("In msg nelems" in args or "Out msg nelems" in args)
+    return kind, (nelems * elem if has_size else float("nan")), int(args.get("Group size", 0) or 0)
+
+
+def communication_overlap(path: str | Path) -> dict[str, float]:
+    """How much of one rank's communication-kernel time ran while a compute kernel ran on its GPU.
+
+    From a ``torch.profiler`` Chrome trace of one rank on GPUs: the union of the communication
+    kernels' intervals (NCCL's, ``kernel_category``) and the union of every other kernel's
+    (copies and memsets are not counted as compute). *Hidden* is the length of their intersection,
+    *exposed* the communication time with no compute kernel beside it. Returns seconds:
+    ``communication_s``, ``hidden_s``, ``exposed_s``, ``compute_s`` and ``span_s`` (first kernel start
+    to last kernel end), and ``hidden_fraction`` (NaN without communication). An NCCL kernel's time
+    includes waiting for the other ranks, so *exposed* includes that waiting; a trace of one rank
+    cannot tell the two apart.
+
+    Introduced in chapter 7, section 7.7.
+    """
+    events = read_trace(path)
+    comm, compute = [], []
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") != "kernel" or float(e.get("dur", 0) or 0) <= 0:
+            continue
+        start = float(e["ts"]) / 1e6
+        interval = (start, start + float(e["dur"]) / 1e6)
+        category = kernel_category(e.get("name", ""), cat="kernel")
+        if category == "communication":
+            comm.append(interval)
+        elif category != "memcpy / memset":
+            compute.append(interval)
+    everything = union(comm + compute)
+    communication, hidden = union_length(comm), intersection_length(comm, compute)
+    return {
+        "communication_s": communication, "hidden_s": hidden, "exposed_s": communication - hidden,
+        "compute_s": union_length(compute),
+        "span_s": (everything[-1][1] - everything[0][0]) if everything else 0.0,
+        "hidden_fraction": hidden / communication if communication > 0 else float("nan"),
+    }

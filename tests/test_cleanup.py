@@ -112,8 +112,56 @@ def test_back_at_baseline_releases_the_workspaces_and_reports_the_three_numbers(
 
 def test_back_at_baseline_names_a_leak_in_mib(monkeypatch):
     _fake_cuda(monkeypatch, [70.0, 7.0])
-    with pytest.raises(AssertionError, match=r"5\.00 MiB still allocated"):
+    with pytest.raises(cleanup.LeakError, match=r"5\.00 MiB still allocated") as caught:
         cleanup.back_at_baseline(2.0)
+    assert isinstance(caught.value, AssertionError)  # a chapter's leak check is an assertion
+
+
+@pytest.mark.parametrize(("end_mib", "tolerance_mib", "leaks"), [
+    (2.0 + 0.01, 0.01, False),  # exactly at the tolerance: passes
+    (2.0 + 0.02, 0.01, True),  # 20 KiB over the start: a leak with the default tolerance
+    (2.0 + 0.5, 0.01, True),
+    (2.25, 0.25, False),
+    (2.25 + 2**-10, 0.25, True),  # 1 KiB past a wider tolerance
+])
+def test_back_at_baseline_tolerance_boundary(monkeypatch, end_mib, tolerance_mib, leaks):
+    _fake_cuda(monkeypatch, [60.0, end_mib])
+    if leaks:
+        with pytest.raises(cleanup.LeakError):
+            cleanup.back_at_baseline(2.0, tolerance_mib)
+    else:
+        assert cleanup.back_at_baseline(2.0, tolerance_mib)["allocated at the end (MiB)"] == end_mib
+
+
+def test_back_at_baseline_raises_under_python_optimisations():
+    """The check is a raise, not an ``assert`` statement, so ``python -O`` keeps it."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(cleanup.back_at_baseline).lstrip())
+    assert not any(isinstance(node, ast.Assert) for node in ast.walk(tree))
+
+
+def test_baseline_releases_the_workspaces_before_reading_and_is_accepted_as_the_start(monkeypatch):
+    """A workspace made before the start (32 MiB here) is not in the baseline, so a 20 MiB leak is caught:
+    with a bare reading taken before releasing it (52 MiB), the same end would pass."""
+    released = _fake_cuda(monkeypatch, [20.0, 72.0, 40.0, 60.0, 20.0])
+    read = measure.allocator_mib
+    released_when_read = []
+    monkeypatch.setattr(measure, "allocator_mib", lambda device=None: released_when_read.append(bool(released)) or read())
+    start = cleanup.baseline()
+    assert released_when_read == [True] and start == cleanup.Baseline(20.0)  # released, then read
+    with pytest.raises(cleanup.LeakError, match=r"20\.00 MiB still allocated"):
+        start.check()
+    assert cleanup.back_at_baseline(start)["allocated at the start (MiB)"] == 20.0
+
+
+def test_baseline_on_a_cpu_is_nan_and_back_at_baseline_refuses_it(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    start = cleanup.baseline()
+    assert start.allocated_mib != start.allocated_mib  # NaN
+    with pytest.raises(ValueError, match="read on a GPU"):
+        cleanup.back_at_baseline(start)
 
 
 def test_back_at_baseline_refuses_without_cuda(monkeypatch):
@@ -134,3 +182,15 @@ def test_back_at_baseline_on_a_gpu_catches_a_held_tensor_and_passes_once_it_is_f
     del x
     rows = cleanup.back_at_baseline(start)
     assert rows["allocated at the end (MiB)"] <= start + 0.01
+
+
+@pytest.mark.gpu
+def test_baseline_on_a_gpu_leaves_out_the_workspaces_so_a_leak_of_their_size_is_caught():
+    torch.ones(64, 64, device="cuda") @ torch.ones(64, 64, device="cuda")  # a cuBLAS workspace before the start
+    start = cleanup.baseline()
+    x = torch.empty(2 * 2**20, dtype=torch.uint8, device="cuda")  # a 2 MiB leak, smaller than the workspace
+    torch.ones(64, 64, device="cuda") @ torch.ones(64, 64, device="cuda")
+    with pytest.raises(cleanup.LeakError, match=r"2\.00 MiB still allocated"):
+        cleanup.back_at_baseline(start)
+    del x
+    assert cleanup.back_at_baseline(start)["allocated at the end (MiB)"] <= start.allocated_mib + 0.01

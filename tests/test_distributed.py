@@ -106,7 +106,7 @@ def test_train_zero_shards_what_each_stage_promises(chapter_runs):
 
 
 def test_train_zero_layers_step_times_and_a_trace_per_strategy(chapter_runs):
-    from helpers import collectives, models
+    from helpers import models, profiler
 
     folder, message = chapter_runs
     assert (folder / "zero" / "rank1.json").exists(), message
@@ -119,8 +119,8 @@ def test_train_zero_layers_step_times_and_a_trace_per_strategy(chapter_runs):
     traces = sorted(p.name for p in (folder / "traces").iterdir())
     assert traces == [f"{s}.json.gz" for s in ("ddp", "zero1", "zero2", "zero3")]  # rank 0 only, one each
     for name in traces:  # gloo on CPUs: no communication kernels, and the readers say so
-        assert collectives.communication_from_trace(folder / "traces" / name).empty
-        assert collectives.communication_overlap(folder / "traces" / name)["communication_s"] == 0
+        assert profiler.communication_from_trace(folder / "traces" / name).empty
+        assert profiler.communication_overlap(folder / "traces" / name)["communication_s"] == 0
 
 
 def test_out_of_memory_on_one_rank_of_train_zero_ends_every_rank(chapter_runs):
@@ -135,6 +135,25 @@ def test_exit_all_ranks_on_oom_lets_other_errors_through():
             raise ValueError("a bug")
     with distributed.exit_all_ranks_on_oom("a test"):
         pass
+
+
+@pytest.mark.parametrize("err", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                                 RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate`")])
+def test_exit_all_ranks_on_oom_ends_the_rank_on_what_measure_calls_out_of_memory(monkeypatch, capsys, err):
+    """The same predicate as batching's: cuBLAS failing to allocate its workspace is out of memory too."""
+    def exit_now(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(distributed.os, "_exit", exit_now)
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as done:
+        with distributed.exit_all_ranks_on_oom("a test"):
+            raise err
+    assert done.value.code == distributed.OOM_EXIT_CODE
+    assert capsys.readouterr().err.startswith("rank 1: out of memory during a test: ")
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        with distributed.exit_all_ranks_on_oom("a test"):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
 
 def test_init_process_group_on_cpu_is_gloo(monkeypatch):

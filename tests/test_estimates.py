@@ -156,9 +156,8 @@ def test_engine_bytes_follow_the_formulas(n):
     assert sent["zero1"] == pytest.approx(1.5 * ring)  # + the parameter broadcasts, as PyTorch runs ZeRO-1
     assert sent["zero2"] == pytest.approx(ring)  # reduce-scatter + one all-gather: DDP's bytes
     assert sent["zero3"] == pytest.approx(1.5 * ring)  # + the backward all-gather
-    ratio = estimates.ratio_to_ddp(estimates.communication_table(psi, n))
-    assert ratio.to_dict() == pytest.approx({"ddp": 1.0, "zero1": 1.5, "zero2": 1.0, "zero3": 1.5})
-    bus = estimates.ratio_to_ddp(estimates.communication_table(psi, n), "bus bytes")
+    bus = estimates.communication_table(psi, n).groupby("engine")["bus bytes"].sum()
+    bus = bus / bus["ddp"]
     assert bus["zero1"] == pytest.approx(1 + n / (2 * (n - 1)))  # sequential broadcasts: 2x DDP's time at n = 2
     assert bus["zero3"] == pytest.approx(1.5)
 

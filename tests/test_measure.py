@@ -9,23 +9,6 @@ import torch
 from helpers import env, measure
 
 
-def test_time_fn_median_repeats_and_spread():
-    sleeps = iter([0.0, 0.0, 0.01, 0.03, 0.02])  # two warm-up calls, then three timed ones
-
-    def work():
-        time.sleep(next(sleeps))
-
-    timing = measure.time_fn(work, device="cpu", warmup=2, repeat=3)
-    assert len(timing.times_s) == 3
-    assert 0.019 < timing.median_s < 0.03  # the middle one, the 20 ms call
-    assert 0.018 < timing.spread_s < 0.03  # 30 ms - 10 ms: the repeats really differ by 20 ms
-
-
-def test_time_fn_rejects_bad_counts():
-    with pytest.raises(ValueError, match="repeat >= 1"):
-        measure.time_fn(lambda: None, device="cpu", repeat=0)
-
-
 def test_phase_recorder_on_cpu_times_phases_and_leaves_memory_nan():
     rec = measure.PhaseRecorder("cpu")
     with rec.phase("a"):
@@ -81,6 +64,75 @@ def test_nested_phase_keeps_the_peak_that_came_before_the_inner_phase(monkeypatc
     assert df.loc["forward", "peak_allocated_mib"] == 30
     assert df.loc["step", "peak_allocated_mib"] == 100  # the inner reset must not hide it
     assert df.loc["step", "allocated_mib"] == 30
+
+
+def fake_cuda(monkeypatch):
+    """A FakeAllocator behind torch.cuda's own calls, so measure's real reset_peak and synchronize run."""
+    mem = FakeAllocator()
+    monkeypatch.setattr(measure, "allocator_mib", mem.read)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", mem.reset)
+    return mem
+
+
+def test_peak_on_a_cpu_is_nan_and_runs_the_block():
+    ran = []
+    with measure.peak("cpu") as p:
+        ran.append(1)
+    assert ran == [1] and math.isnan(p.mib) and math.isnan(p.start_mib)
+
+
+def test_peak_reads_the_blocks_peak_after_a_reset(monkeypatch):
+    mem = fake_cuda(monkeypatch)
+    mem.alloc(500)
+    mem.alloc(-400)  # an earlier 500 MiB peak that the block must not report
+    with measure.peak() as p:
+        assert math.isnan(p.mib)  # nothing read while the block runs
+        mem.alloc(50)
+        mem.alloc(-50)
+        mem.alloc(20)
+    assert (p.start_mib, p.mib, p.extra_mib) == (100, 150, 50)
+
+
+def test_nested_peaks_and_phases_keep_the_outer_peak(monkeypatch):
+    mem = fake_cuda(monkeypatch)
+    rec = measure.PhaseRecorder("cuda")
+    with measure.peak() as outer:
+        mem.alloc(100)
+        mem.alloc(-100)  # gone before the inner reset
+        with rec.phase("inner phase"):
+            mem.alloc(10)
+            with measure.peak() as inner:
+                mem.alloc(5)
+            measure.reset_peak("cuda")  # a chapter's own reset inside both
+        mem.alloc(-15)
+    assert inner.mib == 15
+    assert rec.to_frame().loc["inner phase", "peak_allocated_mib"] == 15
+    assert outer.mib == 100  # no inner reset hides it
+
+
+def test_peak_is_read_when_the_block_raises(monkeypatch):
+    mem = fake_cuda(monkeypatch)
+    with pytest.raises(torch.OutOfMemoryError):
+        with measure.peak() as p:
+            mem.alloc(70)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert p.mib == 70 and not measure._open_peaks
+
+
+@pytest.mark.parametrize(("err", "expected"), [
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), True),
+    (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), True),
+    (RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"), True),
+    (RuntimeError("CUDA error: out of memory"), True),
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), False),
+    (ValueError("out of memory"), False),  # only runtime errors carry library messages
+])
+def test_is_out_of_memory(err, expected):
+    assert measure.is_out_of_memory(err) is expected
 
 
 def test_allocator_reading_without_cuda_is_nan(monkeypatch):
@@ -172,6 +224,19 @@ def test_phase_recorder_peak_includes_temporaries():
     df = rec.to_frame()
     assert df.loc["temp", "peak_allocated_mib"] - df.loc["temp", "allocated_mib"] >= 8.0 - 1e-6
     del y
+
+
+@pytest.mark.gpu
+def test_peak_on_the_gpu_sees_a_temporary_and_nests():
+    torch.cuda.synchronize()
+    with measure.peak() as outer:
+        tmp = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")  # 64 MiB, freed before the inner block
+        del tmp
+        with measure.peak("cuda") as inner:
+            keep = torch.empty(2**20, dtype=torch.uint8, device="cuda")
+    assert inner.extra_mib == pytest.approx(1.0)
+    assert outer.extra_mib >= 64 - 1e-6
+    del keep
 
 
 @pytest.mark.gpu

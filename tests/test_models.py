@@ -6,12 +6,15 @@ from helpers import models
 
 
 def test_full_sizes_match_the_real_models():
-    df = models.summary()
+    def n_params(name, profile):
+        head = models.spec(name).heads[0]
+        return models.n_params(models.build(name, profile=profile, head=head, device="meta"))
+
     # bert-large-uncased with a 2-label classifier; polyglot-ko-1.3b as published (1,331,810,304)
-    assert df.loc["bert-large-uncased", "params_full"] == 335_143_938
-    assert df.loc["polyglot-ko-1.3b", "params_full"] == 1_331_810_304
-    assert df.loc["llama-2-7b", "params_full"] == 6_738_415_616  # Llama-2-7B as published
-    assert (df["params_tiny"] < 10_000_000).all()
+    assert n_params("bert-large-uncased", "full") == 335_143_938
+    assert n_params("polyglot-ko-1.3b", "full") == 1_331_810_304
+    assert n_params("llama-2-7b", "full") == 6_738_415_616  # Llama-2-7B as published
+    assert all(n_params(name, "tiny") < 10_000_000 for name in models.REGISTRY)
 
 
 def test_tiny_twin_keeps_the_architecture():
@@ -66,12 +69,6 @@ def test_checkpoint_roundtrip_through_from_pretrained(tmp_path):
     model.eval()
     loaded.eval()
     assert torch.allclose(model(ids).logits, loaded(ids).logits)
-
-
-def test_real_weights_refused_offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(RuntimeError, match="not reachable"):
-        models.load_real_weights("bert-large-uncased")
 
 
 def test_build_leaves_the_callers_random_state_alone():

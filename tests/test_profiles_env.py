@@ -83,3 +83,22 @@ def test_quiet_formats_warnings_without_paths(monkeypatch):
 
     assert os.environ["TRANSFORMERS_VERBOSITY"] == "error"
     monkeypatch.delenv("TRANSFORMERS_VERBOSITY")
+
+
+def test_parse_nvlink_status():
+    text = """GPU 0: NVIDIA H200 (UUID: GPU-aaaa)
+\t Link 0: 26.562 GB/s
+\t Link 1: 26.562 GB/s
+\t Link 2: <inactive>
+GPU 1: NVIDIA H200 (UUID: GPU-bbbb)
+\t Link 0: 26.562 GB/s
+GPU 2: Tesla T4 (UUID: GPU-cccc)
+"""
+    got = env.parse_nvlink_status(text)
+    assert got == {0: [26.562, 26.562], 1: [26.562], 2: []}
+    assert env.parse_nvlink_status("NVML: Unable to find NVLink") == {}
+
+
+def test_nvlink_status_without_nvidia_smi(monkeypatch):
+    monkeypatch.setattr(env.shutil, "which", lambda name: None)
+    assert env.nvlink_status() is None

@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import math
 import time
 
 import numpy as np
@@ -96,6 +97,61 @@ def test_union_length_counts_overlaps_once():
     assert profiler.union_length([]) == 0
     with pytest.raises(ValueError):
         profiler.union_length([(3, 1)])
+
+
+def test_union_and_intersection_of_intervals():
+    assert profiler.union([(5, 6), (0, 2), (1, 3), (3, 4)]) == [(0, 4), (5, 6)]  # touching ones merge
+    # each side may overlap itself: it is counted once
+    assert profiler.intersection_length([(0, 10), (5, 15)], [(2, 4), (3, 6), (14, 20)]) == 4 + 1
+    assert profiler.intersection_length([(0, 1)], [(2, 3)]) == 0
+    assert profiler.intersection_length([], [(0, 1)]) == 0
+
+
+# Real kernel names (cuBLAS on Hopper and Ampere, cuBLAS's gemv, CUTLASS, FlashAttention, cuDNN's SDPA,
+# NCCL, PyTorch's own kernels, and Inductor's Triton kernels from torch.compile(mode="max-autotune")).
+REAL_KERNELS = [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel"
+     "__5x_cublas", "GEMM"),
+    ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "GEMM"),
+    ("sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize64x64x8_stage3_warpsize1x2x1_ffma_aligna4_alignc4_execute_kernel"
+     "__51_cublas", "GEMM"),
+    ("void gemmSN_TN_kernel<float, 128, 16, 2, 4, 4, 4, true, cublasGemvTensorStridedBatched<float const>, "
+     "cublasGemvTensorStridedBatched<float const>, cublasGemvTensorStridedBatched<float> >(cublasGemmSmallNParams"
+     "<cublasGemvTensorStridedBatched<float const>, cublasGemvTensorStridedBatched<float const>, "
+     "cublasGemvTensorStridedBatched<float>, float>)", "GEMM"),
+    ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>"
+     "(cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8::Params)", "GEMM"),
+    ("triton_tem_fused_mm_0", "GEMM"),
+    ("triton_tem_fused_addmm_gelu_1", "GEMM"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, "
+     "cutlass::bfloat16_t, Flash_kernel_traits<64, 128, 128, 4, cutlass::bfloat16_t> >, false, true, false, false, "
+     "true, true, false, false>(pytorch_flash::Flash_fwd_params)", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x64x64_4x1x1_kernel0_0", "attention"),
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "communication"),
+    ("void (anonymous namespace)::softmax_warp_forward<c10::BFloat16, c10::BFloat16, float, 9, false, false>"
+     "(c10::BFloat16*, c10::BFloat16 const*, int, int, int, bool const*, int, bool)", "element-wise / normalisation"),
+    ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, float>(int, float, "
+     "c10::BFloat16 const*, c10::BFloat16 const*, c10::BFloat16 const*, float*, float*, c10::BFloat16*)",
+     "element-wise / normalisation"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>, "
+     "std::array<char*, 3ul> >(int, at::native::CUDAFunctor_add<c10::BFloat16>, std::array<char*, 3ul>)",
+     "element-wise / normalisation"),
+    ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::(anonymous namespace)::OpaqueType<2u>, "
+     "unsigned int, 3, 128, 1>(...)", "element-wise / normalisation"),
+    ("triton_red_fused__to_copy_add_native_layer_norm_1", "element-wise / normalisation"),
+]
+
+
+@pytest.mark.parametrize(("name", "expected"), REAL_KERNELS, ids=[n[:40] for n, _ in REAL_KERNELS])
+def test_kernel_category_of_real_kernel_names(name, expected):
+    assert profiler.kernel_category(name) == expected
+
+
+@pytest.mark.parametrize("name", ["concatenate_rows_kernel", "expand_weights", "address_translate", "renormalize_v2",
+                                  "my_reindexing_kernel", "fastmultiply"])
+def test_kernel_category_does_not_file_unknown_kernels_by_a_few_letters(name):
+    """Short operator words (cat, exp, add, norm, index, mul) count as words of the name, not as any substring."""
+    assert profiler.kernel_category(name) == "other"
 
 
 @pytest.mark.parametrize(
@@ -348,3 +404,80 @@ def test_difference_of_two_spreads():
     assert timing.difference(base, timing.Spread.of((1.005, 1.0, 1.01, 1.0))) == "within the noise"
     wide = timing.Spread.of((0.5, 1.5, 1.0, 0.6, 1.4))  # median 1.0 +- a wide IQR
     assert timing.difference(wide, timing.Spread.of((1.2, 1.21, 1.19))) == "within the noise"
+
+
+# --- profiler: communication kernels of a trace (chapter 7) ----------------------------------------
+
+
+def test_collective_kind_reads_torch_and_nccl_names():
+    assert profiler.collective_kind("allreduce") == "all_reduce"
+    assert profiler.collective_kind("_reduce_scatter_base") == "reduce_scatter"
+    assert profiler.collective_kind("allgather_into_tensor_coalesced") == "all_gather"
+    assert profiler.collective_kind("ncclDevKernel_Broadcast_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "broadcast"
+    assert profiler.collective_kind("ncclDevKernel_SendRecv") == "other"
+
+
+def test_communication_from_trace_parses_nccl_kernels(tmp_path):
+    """A hand-written trace in the shape torch.profiler writes on GPUs (no GPU here: this checks the parsing)."""
+    def kernel(name, coll, nin, nout, dur_us, dtype="Float"):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": 0, "dur": dur_us,
+                "args": {"Collective name": coll, "In msg nelems": nin, "Out msg nelems": nout,
+                         "Group size": 2, "dtype": dtype}}
+    events = [
+        kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL(x)", "allreduce", 2**28, 2**28, 1000.0),
+        kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL(x)", "allreduce", 2**28, 2**28, 1000.0),
+        kernel("ncclDevKernel_AllGather_RING_LL(x)", "_allgather_base", 2**27, 2**28, 500.0, "BFloat16"),
+        {"ph": "X", "cat": "kernel", "name": "nvjet_hsh_128x256", "ts": 0, "dur": 5000.0, "args": {}},
+        {"ph": "X", "cat": "cpu_op", "name": "c10d::allreduce_", "ts": 0, "dur": 10.0, "args": {}},
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    table = profiler.communication_from_trace(path)
+    assert list(table.index) == ["all_gather", "all_reduce"]  # the GEMM and the CPU op are left out
+    ar, ag = table.loc["all_reduce"], table.loc["all_gather"]
+    assert ar["calls"] == 2 and ar["S (MiB)"] == 2 * 1024 and ar["kernel time (ms)"] == pytest.approx(2.0)
+    assert ar["algbw (GB/s)"] == pytest.approx(2 * 2**30 / 2e-3 / 1e9)
+    assert ar["busbw (GB/s)"] == pytest.approx(ar["algbw (GB/s)"])  # factor 1 at n = 2
+    assert ag["S (MiB)"] == 512  # the gathered output, bf16
+    assert ag["busbw (GB/s)"] == pytest.approx(ag["algbw (GB/s)"] / 2)
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"traceEvents": events[3:]}))
+    assert profiler.communication_from_trace(empty).empty
+
+
+def write_trace(path, events):
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path
+
+
+def test_communication_from_trace_takes_sizes_from_cpu_records_when_kernels_have_none(tmp_path):
+    kernel = {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(x)", "ts": 0,
+              "dur": 100.0, "args": {"device": 0, "stream": 20}}
+    record = {"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "ts": 0, "dur": 1.0,
+              "args": {"Collective name": "_reduce_scatter_base", "In msg nelems": 2**20, "Out msg nelems": 2**19,
+                       "Group size": 2, "dtype": "Float"}}
+    table = profiler.communication_from_trace(write_trace(tmp_path / "t.json", [kernel, kernel, record, record]))
+    assert table.loc["reduce_scatter", "calls"] == 2 and table.loc["reduce_scatter", "S (MiB)"] == 8
+    bare = profiler.communication_from_trace(write_trace(tmp_path / "bare.json", [kernel]))
+    assert bare.loc["reduce_scatter", "calls"] == 1 and math.isnan(bare.loc["reduce_scatter", "S (MiB)"])
+
+
+def test_communication_overlap_splits_hidden_and_exposed(tmp_path):
+    def k(name, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {}}
+    events = [
+        k("ncclDevKernel_AllReduce_Sum_f32_RING_LL(x)", 0, 100),  # 0-100 us
+        k("ncclDevKernel_AllReduce_Sum_f32_RING_LL(x)", 50, 100),  # 50-150: union 0-150
+        k("nvjet_hsh_128x256_gemm", 20, 40),  # 20-60 hidden
+        k("vectorized_elementwise_kernel", 40, 40),  # 40-80: union with the GEMM 20-80
+        k("vectorized_elementwise_kernel", 300, 50),  # 300-350: compute only
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 100, "dur": 50, "args": {}},  # not compute
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 400, "args": {}},  # not a kernel
+    ]
+    got = profiler.communication_overlap(write_trace(tmp_path / "t.json", events))
+    assert got["communication_s"] == pytest.approx(150e-6)
+    assert got["hidden_s"] == pytest.approx(60e-6) and got["exposed_s"] == pytest.approx(90e-6)
+    assert got["compute_s"] == pytest.approx(110e-6) and got["span_s"] == pytest.approx(350e-6)
+    assert got["hidden_fraction"] == pytest.approx(0.4)
+    none = profiler.communication_overlap(write_trace(tmp_path / "n.json", events[2:]))
+    assert none["communication_s"] == 0 and math.isnan(none["hidden_fraction"])

@@ -6,7 +6,7 @@ import pytest
 
 matplotlib.use("Agg")
 
-from helpers import glue, plots  # noqa: E402
+from helpers import plots  # noqa: E402
 
 
 def test_stacked_bar_stacks_columns_and_stays_small():
@@ -30,27 +30,3 @@ def test_lines_checks_columns():
     assert len(fig.axes[0].lines) == 1
     with pytest.raises(ValueError, match="columns not in the frame: gib"):
         plots.lines(df, x="batch", ys=["gib"], title="t", xlabel="x", ylabel="y")
-
-
-def test_glue_writes_what_myst_nb_writes(monkeypatch):
-    """Our glue must produce exactly myst-nb's output, which the book build reads."""
-    mystglue = pytest.importorskip("myst_nb.ext.glue")  # installed with the book's extras
-
-    captured = []
-    monkeypatch.setattr(glue, "display", lambda data, raw, metadata: captured.append((data, metadata)))
-    monkeypatch.setattr(mystglue, "ipy_display", lambda data, raw, metadata: captured.append((data, metadata)))
-    glue.glue("peak_gib", 12.5)
-    mystglue.glue("peak_gib", 12.5, display=False)
-    assert captured[0] == captured[1]
-    assert captured[0][0] == {"application/papermill.record/text/plain": "12.5"}
-    with pytest.raises(ValueError):
-        glue.glue("", 1)
-
-
-def test_glue_stores_numpy_scalars_as_plain_numbers(monkeypatch):
-    import numpy as np
-
-    captured = []
-    monkeypatch.setattr(glue, "display", lambda data, raw, metadata: captured.append(data))
-    glue.glue("x", np.float64(1.5))
-    assert captured[0] == {"application/papermill.record/text/plain": "1.5"}
