@@ -24,13 +24,11 @@ from dataclasses import dataclass, field
 import pandas as pd
 import torch
 
+from helpers.gpus import T4_MEMORY_GIB  # the T4 card that t4_budget emulates; chapter 7 reads it here
 from helpers.profiles import require_cuda
 
 MIB = 2**20
 GIB = 2**30
-# A Tesla T4 (Colab's free GPU) as the CUDA driver reports it to programs ("deviceMemorySize: 14.75GiB").
-# nvidia-smi shows more (15,360 MiB), part of which the driver keeps for itself.
-T4_MEMORY_GIB = 14.75
 
 
 def _visible_nvml_indices(pynvml) -> list[int]:
