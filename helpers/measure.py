@@ -355,7 +355,7 @@ def gpu_budget(total_gib: float, device: int = 0) -> Iterator[float]:
     ``torch.OutOfMemoryError`` exactly as a smaller card would (the CUDA context is not counted:
     subtract it from the card's size before calling, as chapter 1 does).
 
-    >>> with gpu_budget(measure.T4_MEMORY_GIB - context_gib):
+    >>> with gpu_budget(gpus.T4_MEMORY_GIB - context_gib):
     ...     train_step(model, optimizer, batch)
 
     Introduced in chapter 1, section 1.5.
