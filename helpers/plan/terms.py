@@ -55,6 +55,10 @@ SOURCES = {
 }
 
 
+# ---------------------------------------------------------------------------------------------------
+# Activation coefficients: bytes saved for backward per layer
+# ---------------------------------------------------------------------------------------------------
+
 # Linear layers of one block grouped by the tensor they read: linears of a group share one input, so
 # autograd saves it once. (family -> list of (group input width key, names)).
 _INPUT_GROUPS = {
@@ -68,11 +72,6 @@ _INPUT_GROUPS = {
 # Inputs of these groups are fp32 under autocast (outputs of LayerNorm/RMSNorm on the fp32 residual
 # stream), so each linear of the group saves its own 16-bit cast copy; the others read 16-bit tensors.
 _FP32_INPUT_UNDER_AUTOCAST = {"bert": (0, 2), "gpt_neox": (0, 2), "llama": (0, 2)}
-
-
-# ---------------------------------------------------------------------------------------------------
-# Activation coefficients: bytes saved for backward per layer
-# ---------------------------------------------------------------------------------------------------
 
 # (family, precision class, attention) -> bytes per layer as coefficients of
 # (s*b*h, s*b*I, a*s^2*b, a*s*b, s*b). Precision classes: "fp32" (fp32 weights, no autocast), "amp"
