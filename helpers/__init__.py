@@ -5,6 +5,7 @@ package reads from the top down and has no import cycles. Each public function's
 chapter and section that introduce it.
 
 Foundations
+- ``gpus``        facts about GPUs by name or compute capability: memory, peak FLOP/s, bandwidth, bf16/TF32/flash
 - ``profiles``    which sizes to run (``tiny`` on a CPU, ``full`` on a GPU) and GPU-only guards
 - ``measure``     the one reader of GPU memory (NVML, torch's allocator), peaks, phases, budgets; out of memory
 - ``env``         the environment report every chapter prints first; Colab detection; NVLink status
@@ -12,7 +13,7 @@ Foundations
 Counting and formulas (no GPU needed)
 - ``accounting``  bytes of weights, gradients, optimizer states (sharded too) and saved activations
 - ``estimates``   the rules and formulas measurements are held against: ZeRO's memory and traffic among them
-- ``flops``       FLOPs per token, peak FLOP/s by GPU, throughput and MFU
+- ``flops``       FLOPs per token, throughput and MFU (against the peaks of ``gpus``)
 
 Models, data, training
 - ``models``      offline model registry (full size and tiny twins), local checkpoints
@@ -39,7 +40,8 @@ Communication (chapter 7)
 - ``collectives`` collectives timed in launched processes (nccl-tests' bus bandwidth)
 
 Planning (chapter 10)
-- ``plan``        predict a training step's peak memory by term and phase, suggest changes, measure, CLI
+- ``plan``        a package: predict a training step's peak memory by term and phase, suggest changes,
+                  measure, CLI (``helpers/plan/__init__.py`` maps its modules)
 
 Showing results
 - ``plots``       one figure style, stacked memory bars, line series

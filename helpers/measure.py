@@ -27,13 +27,11 @@ from dataclasses import dataclass, field
 import pandas as pd
 import torch
 
+from helpers.gpus import T4_MEMORY_GIB  # the T4 card that t4_budget emulates; chapter 7 reads it here
 from helpers.profiles import require_cuda
 
 MIB = 2**20
 GIB = 2**30
-# A Tesla T4 (Colab's free GPU) as the CUDA driver reports it to programs ("deviceMemorySize: 14.75GiB").
-# nvidia-smi shows more (15,360 MiB), part of which the driver keeps for itself.
-T4_MEMORY_GIB = 14.75
 
 
 def _visible_nvml_indices(pynvml) -> list[int]:
@@ -448,7 +446,7 @@ def gpu_budget(total_gib: float, device: int = 0) -> Iterator[float]:
     ``torch.OutOfMemoryError`` exactly as a smaller card would (the CUDA context is not counted:
     subtract it from the card's size before calling, as chapter 1 does).
 
-    >>> with gpu_budget(measure.T4_MEMORY_GIB - context_gib):
+    >>> with gpu_budget(gpus.T4_MEMORY_GIB - context_gib):
     ...     train_step(model, optimizer, batch)
 
     Introduced in chapter 1, section 1.5.

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from functools import cache
 from typing import TypeVar
 
 import torch
+
+# What the GPU here can do lives in ``helpers.gpus``; the chapters still ask ``profiles`` for it.
+from helpers.gpus import amp_dtype, capability  # noqa: F401
 
 ENV_VAR = "GPUBOOK_PROFILE"
 PROFILES = ("tiny", "full")
@@ -101,59 +103,3 @@ def require_cuda(what: str) -> None:
     """
     if not cuda_available():
         raise RuntimeError(f"{what} needs a CUDA GPU; none is available (guard the call with cuda_or_skip)")
-
-
-@dataclass(frozen=True)
-class Capability:
-    """What a GPU's generation can do, from its compute capability (major.minor).
-
-    Introduced in chapter 8's setup cell. bf16 and TF32 tensor cores and FlashAttention need compute capability
-    8.0 (Ampere) or newer: a T4 (7.5) runs bf16 only through slow fallbacks, and its bf16 SDPA uses
-    the math kernel, which stores the s x s attention matrix. fp16 tensor cores exist from 7.0 (V100).
-    """
-
-    name: str
-    major: int
-    minor: int
-
-    @property
-    def at_least_ampere(self) -> bool:
-        return (self.major, self.minor) >= (8, 0)
-
-    @property
-    def bf16(self) -> bool:
-        return self.at_least_ampere
-
-    @property
-    def tf32(self) -> bool:
-        return self.at_least_ampere
-
-    @property
-    def flash_attention(self) -> bool:
-        return self.at_least_ampere
-
-    @property
-    def amp_dtype(self) -> torch.dtype:
-        """The 16-bit type for autocast: bf16 where tensor cores support it, else fp16."""
-        return torch.bfloat16 if self.bf16 else torch.float16
-
-
-@cache
-def capability(index: int = 0) -> Capability | None:
-    """The ``Capability`` of CUDA device ``index``; ``None`` on a machine without CUDA.
-
-    Introduced in chapter 8's setup cell.
-    """
-    if not cuda_available():
-        return None
-    props = torch.cuda.get_device_properties(index)
-    return Capability(props.name, props.major, props.minor)
-
-
-def amp_dtype() -> torch.dtype:
-    """Autocast's 16-bit type here: bf16 on a CPU and on GPUs of compute capability >= 8.0, else fp16.
-
-    Introduced in chapter 8's setup cell.
-    """
-    cap = capability()
-    return torch.bfloat16 if cap is None else cap.amp_dtype

@@ -80,8 +80,8 @@ def code_fingerprint(nb: dict) -> dict:
 
 
 def helpers_fingerprint(helpers: Path = HELPERS) -> dict:
-    """sha256 of each helpers/*.py (by name) and of all of them together."""
-    files = {p.name: sha256(p.read_bytes()) for p in sorted(helpers.glob("*.py"))}
+    """sha256 of each helpers/*.py and helpers/*/*.py (by path under helpers/) and of all of them together."""
+    files = {p.relative_to(helpers).as_posix(): sha256(p.read_bytes()) for p in sorted(helpers.rglob("*.py"))}
     return {"helpers_sha256": sha256("\n".join(f"{k} {v}" for k, v in files.items())), "helpers_files_sha256": files}
 
 

@@ -13,7 +13,9 @@ import helpers
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "helpers"
-MODULES = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+# A module is a file helpers/NAME.py or a subpackage helpers/NAME/ (its files are one module of the map).
+SUBPACKAGES = sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
+MODULES = sorted([p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"] + SUBPACKAGES)
 
 
 def module_map() -> list[str]:
@@ -21,18 +23,40 @@ def module_map() -> list[str]:
     return re.findall(r"^- ``(\w+)``", helpers.__doc__, flags=re.M)
 
 
-def helper_imports(module: str) -> set[str]:
-    """The helpers modules that ``module`` imports (anywhere in the file)."""
-    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+def module_files(module: str) -> list[Path]:
+    """The source files of a module: helpers/NAME.py, or every .py file of the subpackage helpers/NAME/."""
+    if module in SUBPACKAGES:
+        return sorted((PACKAGE / module).glob("*.py"))
+    return [PACKAGE / f"{module}.py"]
+
+
+def imported_names(path: Path) -> set[str]:
+    """Dotted names under ``helpers`` that a file imports (anywhere in it): ``"measure"``, ``"plan.setup"``.
+
+    A relative import (``from .setup import x``) is reported from ``helpers`` too."""
+    tree = ast.parse(path.read_text())
+    here = path.relative_to(PACKAGE).with_suffix("").parts[:-1]  # the subpackage a file sits in, if any
     found = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module == "helpers":
+        if isinstance(node, ast.ImportFrom) and node.level:  # from .setup import x / from . import setup
+            base = here[: len(here) - node.level + 1]
+            if node.module:
+                found.add(".".join((*base, node.module)))
+            else:
+                found |= {".".join((*base, a.name)) for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module == "helpers":
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("helpers."):
-            found.add(node.module.split(".")[1])
+            found.add(node.module.split(".", 1)[1])
         elif isinstance(node, ast.Import):
-            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("helpers.")}
+            found |= {a.name.split(".", 1)[1] for a in node.names if a.name.startswith("helpers.")}
     return found
+
+
+def helper_imports(module: str) -> set[str]:
+    """The other helpers modules that ``module`` imports (anywhere in its files)."""
+    tops = {name.split(".")[0] for path in module_files(module) for name in imported_names(path)}
+    return tops - {module}
 
 
 def test_module_map_lists_every_module_once():
@@ -47,9 +71,45 @@ def test_modules_import_only_modules_above_them_in_the_map(module):
     assert helper_imports(module) <= above, f"{module} imports {helper_imports(module) - above} from below it"
 
 
+def submodule_map(package: str) -> list[str]:
+    """The submodules in the order the map in the subpackage's docstring lists them."""
+    doc = importlib.import_module(f"helpers.{package}").__doc__ or ""
+    return re.findall(r"^- ``(\w+)``", doc, flags=re.M)
+
+
+@pytest.mark.parametrize("package", SUBPACKAGES)
+def test_subpackage_map_lists_every_submodule_once(package):
+    files = sorted(p.stem for p in (PACKAGE / package).glob("*.py") if p.stem != "__init__")
+    assert sorted(submodule_map(package)) == files
+
+
+@pytest.mark.parametrize("package", SUBPACKAGES)
+def test_submodules_import_only_submodules_above_them(package):
+    """Inside a subpackage the same rule: its map reads from the top down (``__init__`` gathers them all)."""
+    order = submodule_map(package)
+    for i, sub in enumerate(order):
+        mine = {n.split(".")[1] for n in imported_names(PACKAGE / package / f"{sub}.py")
+                if n.startswith(f"{package}.")}
+        assert mine <= set(order[:i]), f"{package}.{sub} imports {mine - set(order[:i])} from below it"
+
+
+@pytest.mark.parametrize("path", [p for pkg in SUBPACKAGES for p in sorted((PACKAGE / pkg).glob("*.py"))],
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_subpackage_files_say_what_they_hold(path):
+    assert ast.get_docstring(ast.parse(path.read_text())), f"helpers/{path.parent.name}/{path.name} has no docstring"
+
+
+def module_names(module: str) -> list[str]:
+    """Importable names of a module's files: ``helpers.NAME``, or the subpackage and each of its submodules."""
+    if module not in SUBPACKAGES:
+        return [f"helpers.{module}"]
+    return [f"helpers.{module}"] + [f"helpers.{module}.{p.stem}" for p in sorted((PACKAGE / module).glob("*.py"))
+                                    if p.stem != "__init__"]
+
+
 def public_objects():
-    for module in MODULES:
-        mod = importlib.import_module(f"helpers.{module}")
+    for mod in (importlib.import_module(n) for module in MODULES for n in module_names(module)):
+        module = mod.__name__.removeprefix("helpers.")
         for name, obj in vars(mod).items():
             if name.startswith("_") or getattr(obj, "__module__", None) != mod.__name__:
                 continue
@@ -71,8 +131,9 @@ def test_public_helpers_say_where_the_book_introduces_them(name, obj):
 
 @pytest.mark.parametrize("module", MODULES)
 def test_module_docstrings_speak_to_readers(module):
-    text = (PACKAGE / f"{module}.py").read_text()
-    assert not INTERNAL_WORDS.search(text), f"helpers/{module}.py uses a word only the book's authors know"
+    for path in module_files(module):
+        text = path.read_text()
+        assert not INTERNAL_WORDS.search(text), f"{path.relative_to(ROOT)} uses a word only the book's authors know"
 
 
 def test_sections_named_in_docstrings_exist_in_the_chapters():

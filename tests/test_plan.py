@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -242,10 +247,10 @@ def test_checkpointing_every_k_beyond_the_layers_is_refused():
 
 def _unshared_cache_bytes(s: plan.Setup) -> int:
     """Bytes of the output's DynamicCache that no tensor saved for backward shares (CPU autocast)."""
-    model = plan._build_model(s, torch.device("cpu"))
+    model = plan.check._build_model(s, torch.device("cpu"))  # a private helper of the measuring module
     ids = torch.randint(0, plan.shape(s).vocab, (s.batch, s.seq))
     saved = []
-    amp = plan._pclass(s) == "amp"
+    amp = plan.terms._pclass(s) == "amp"
     with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t), \
             torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
         out = model(input_ids=ids, labels=ids)
@@ -279,3 +284,28 @@ def test_kv_cache_closes_the_forward_gap_of_the_validated_run():
         old, new = plan.predict(s, kv_cache=False), plan.predict(s)
         assert old.peak_phase == "backward" and abs(old.peak_gib / m - 1) > 0.01
         assert new.peak_phase == "forward" and abs(new.peak_gib / m - 1) < 0.01
+
+
+# --- the package -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["predict", "suggest"])
+def test_functions_named_like_their_module_are_the_functions(name):
+    """``plan.predict`` and ``plan.suggest`` are the functions, although their modules carry the same names."""
+    fn = getattr(plan, name)
+    assert callable(fn) and fn.__name__ == name and fn.__module__ == f"helpers.plan.{name}"
+    assert getattr(sys.modules[f"helpers.plan.{name}"], name) is fn
+
+
+def test_command_line_runs_as_a_module():
+    """``python -m helpers.plan`` runs ``helpers/plan/__main__.py`` once, without runpy's double-import warning."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    run = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "helpers.plan", "--model", "bert-large",
+                          "--batch", "4", "--seq", "128", "--gpu", "H100"], cwd=root, capture_output=True, text=True,
+                         env=env)
+    assert run.returncode == 0, run.stderr
+    assert "verdict: fits H100" in run.stdout
+    bad = subprocess.run([sys.executable, "-m", "helpers.plan", "--model", "nope"], cwd=root, capture_output=True,
+                         text=True, env=env)
+    assert bad.returncode == 2 and "unknown model 'nope'" in bad.stderr

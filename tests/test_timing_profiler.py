@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.profiler import record_function
 
-from helpers import memsnap, profiler, profiles, timing
+from helpers import gpus, memsnap, profiler, timing
 
 # --- timing ---------------------------------------------------------------------------------------
 
@@ -268,7 +268,7 @@ def test_profile_on_cpu_splits_self_time_into_categories(tmp_path):
 @pytest.mark.parametrize(("major", "minor", "bf16", "dtype"), [(7, 5, False, torch.float16), (8, 0, True, torch.bfloat16),
                                                                (9, 0, True, torch.bfloat16)])
 def test_capability_rules(major, minor, bf16, dtype):
-    cap = profiles.Capability("GPU", major, minor)
+    cap = gpus.Capability("GPU", major, minor)
     assert cap.bf16 is bf16 and cap.tf32 is bf16 and cap.flash_attention is bf16
     assert cap.amp_dtype == dtype
 
