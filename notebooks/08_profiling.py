@@ -657,9 +657,9 @@ def sweep_text(ok):
         before = ok.index[list(ok.index).index(cross) - 1]
         text.append(f"Up to batch {before} the host's enqueue time is longer than the GPU's kernel time, so the step "
                     f"takes about as long as the host needs ({wall[b0]:.0f} ms at batch {b0}, {wall[before]:.0f} ms at "
-                    f"batch {before}, {before // b0} times the tokens). From batch {cross} on the GPU's kernels take "
-                    f"longer than the launches ({kern[cross]:.0f} against {host[cross]:.0f} ms), and the step time "
-                    f"follows the GPU's work: {wall[bl]:.0f} ms at batch {bl}, GPU busy {prose.pct(last['GPU busy'])}, "
+                    f"batch {before}, {before // b0} times the tokens). At batch {cross} the GPU's kernels first take "
+                    f"longer than the launches ({kern[cross]:.0f} against {host[cross]:.0f} ms), and from there the step "
+                    f"time follows the GPU's work: {wall[bl]:.0f} ms at batch {bl}, GPU busy {prose.pct(last['GPU busy'])}, "
                     f"{last['tokens/s'] / first['tokens/s']:.1f} times batch {b0}'s throughput.")
     tail = wall[b0] - host[b0]
     text.append(f"Back to back, a step at batch {b0} takes {first['back to back, per call (ms)']:.0f} ms (IQR "
@@ -819,8 +819,8 @@ def graph_text(cap_c, graph_c, cats, loop):
                     f"replay's kernels take {1 / kr:.2f} times the eager step's time. Section 9.4 finds the cause.")
     else:
         text.append(f"The replay runs the same attention kernels as the eager step ({attn_g:.1f} against {attn_e:.1f} ms "
-                    f"per step) and its kernels take {1 / kr:.2f} times the eager step's kernel time: the graph changes "
-                    f"how the work is launched, not the work.")
+                    f"per step) and its kernels take {1 / kr:.2f} times the eager step's kernel time (the capturable "
+                    f"optimizer's extra kernels included): the graph changes how the work is launched, not the work.")
     c = cap_c.b
     effect = {"slower": "its extra launches make the eager step slower, and the graph's gain comes despite them",
               "faster": "the eager step with it is even faster, though it launches more",
