@@ -28,6 +28,8 @@
 #
 # - why `time.time()` around GPU code lies, and how to time correctly: synchronise or use CUDA events,
 #   warm up, repeat at least ten times and show the spread;
+# - how to compare two versions of a step so that the verdict survives a re-run: interleaved rounds, the
+#   median per-round speed-up with its 95% interval, and a ±3% threshold for "faster" or "slower";
 # - how to read `torch.profiler`: a category table (GEMM, attention, element-wise, optimizer, ...),
 #   the **GPU-busy fraction** of a step, kernel launches, the per-phase split, a timeline picture and a
 #   trace file for Perfetto;
@@ -476,9 +478,9 @@ def regime_lines(r):
             f"the CPU as much as by the GPU, and a faster host moves the line to smaller batches.")
     else:
         lines.append(
-            f"- **No configuration is host-bound here.** This host spends {us.min():.0f} to {us.max():.0f} µs per GPU "
-            f"operation, and the GPU's work per step outlasts the launches at every batch that fit: on this machine "
-            f"the CPU keeps up with the GPU.")
+            f"- **No configuration is host-bound here** (this host spends {us.min():.0f} to {us.max():.0f} µs per GPU "
+            f"operation): by the verdicts above, at every batch that fit the CPU issues the work at least about as fast "
+            f"as the GPU runs it.")
     return lines
 
 
@@ -723,7 +725,7 @@ else:
 #
 # One detail decides what the graph replays. The batch has no padding, and eager transformers drops an all-ones
 # `attention_mask` so that SDPA can pick its fused attention kernel. While capturing, transformers (5.17, this
-# book's run) treats the capture like `torch.compile`'s tracing: called with no mask, it builds an expanded
+# book was written with) treats the capture like `torch.compile`'s tracing: called with no mask, it builds an expanded
 # all-True mask that the fused kernels cannot take, and attention falls back to SDPA's *math* path, batched
 # matrix products and a softmax that upcast 16-bit inputs to fp32. Passing the batch's all-ones mask
 # explicitly keeps the fused kernel. Chapter 9 (section 9.4) probes this; here the batch carries its mask, and
@@ -1346,7 +1348,7 @@ else:
 #    its batch from <code>batch_of("bert-large-uncased", batch_size)</code> (512 tokens); keep the rest.
 #    </details>
 #    <details><summary>Answer</summary>Expect the crossover between the two bert-large batch sizes of section
-#    8.2 (one host-bound, the other GPU-bound there, with bf16 autocast). A sequence of bert-large carries twice
+#    8.2 (one host-bound, the other GPU-bound there, with 16-bit autocast). A sequence of bert-large carries twice
 #    the tokens of the sweep's, but its model is a quarter of the size, so its GPU work per sequence is lower
 #    and the crossover comes at a similar or larger batch. On a slower GPU such as a T4 the same work takes
 #    the GPU longer while the CPU's share stays the same, so the crossover comes at a smaller batch.</details>
