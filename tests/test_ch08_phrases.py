@@ -105,15 +105,15 @@ def test_regime_lines(ch8):
 
 def sweep(kernel, host, verdict0="host-bound"):
     batches = [1, 2, 4, 8, 16, 32, 64][:len(kernel)]
-    wall = [max(k, h) + 15 for k, h in zip(kernel, host)]
+    wall = [max(k, h) + 15 for k, h in zip(kernel, host, strict=True)]
     return pd.DataFrame({
         "wall median (ms)": wall, "wall IQR (ms)": [15.0] * len(batches),
         "back to back, per call (ms)": [w - 5 for w in wall], "back to back IQR (ms)": [30.0] * len(batches),
         "host enqueue median (ms)": host, "GPU kernel time (ms)": kernel,
-        "GPU busy": [min(0.99, k / w) for k, w in zip(kernel, wall)],
+        "GPU busy": [min(0.99, k / w) for k, w in zip(kernel, wall, strict=True)],
         "GPU ops per call": [3386 + 10 * i for i in range(len(batches))],
         "host µs per GPU op": [h * 1e3 / 3386 for h in host],
-        "tokens/s": [b * 256 / (w / 1e3) for b, w in zip(batches, wall)],
+        "tokens/s": [b * 256 / (w / 1e3) for b, w in zip(batches, wall, strict=True)],
         "verdict": [verdict0] + ["GPU-bound"] * (len(batches) - 1),
     }, index=pd.Index(batches, name="batch"))
 
