@@ -1212,7 +1212,10 @@ if churn:
 
 # %% [markdown]
 # **`empty_cache`** hands the cached blocks back to the driver. It does not free a single tensor, and the
-# next step has to `cudaMalloc` everything again. Its cost, on bert-large at the larger batch:
+# next step has to `cudaMalloc` everything again. Its cost, on bert-large at the larger batch, timed
+# interleaved against the plain step; since the price is paid by the step *after* the call, every sample of
+# the plain step starts from a warm cache and every sample of the other side from an empty one, as in their
+# own training loops:
 
 # %%
 def time_empty_cache(batch_size):
