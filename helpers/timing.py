@@ -597,3 +597,30 @@ def blocks_compared(a: Callable[[], object], b: Callable[[], object], *, device:
     ta = time_it(a, device=device, warmup=warmup, repeat=repeat, busy=False)
     tb = time_it(b, device=device, warmup=warmup, repeat=repeat, busy=False)
     return difference(ta.wall, tb.wall)
+
+
+def blocks(a: Callable[[], object], b: Callable[[], object], *, device: str | torch.device, repeat: int = 10,
+           warmup: int = 3) -> dict[str, float | str]:
+    """The retired block method with its number: ``a`` timed as one block, then ``b`` as another (``time_it``,
+    no profile), b judged by ``difference`` (medians against the larger IQR), as ``blocks_compared`` does.
+
+    Returns ``{"speed-up": a's median / b's median, "verdict": "faster" | "slower" | "within the noise"}``:
+    one row of the table that sets the block method beside ``interleaved``, for the same work on both sides.
+
+    Introduced in chapter 8, section 8.1.
+    """
+    ta = time_it(a, device=device, warmup=warmup, repeat=repeat, busy=False)
+    tb = time_it(b, device=device, warmup=warmup, repeat=repeat, busy=False)
+    return {"speed-up": ta.wall.median / tb.wall.median, "verdict": difference(ta.wall, tb.wall)}
+
+
+def within_threshold(c: Comparison) -> bool:
+    """Whether the whole 95% interval of ``c``'s speed-up lies inside the ±threshold band around 1.
+
+    That is a stronger statement than the verdict ``"no difference beyond the noise"``, which also covers an
+    interval that straddles the band's edge: inside the band, the data rule out a difference as large as the
+    threshold.
+
+    Introduced in chapter 8, section 8.1.
+    """
+    return 1.0 / (1.0 + c.threshold) < c.lo and c.hi < 1.0 + c.threshold

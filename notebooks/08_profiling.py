@@ -28,6 +28,8 @@
 #
 # - why `time.time()` around GPU code lies, and how to time correctly: synchronise or use CUDA events,
 #   warm up, repeat at least ten times and show the spread;
+# - how to compare two versions of a step so that the verdict survives a re-run: interleaved rounds, the
+#   median per-round speed-up with its 95% interval, and a ±3% threshold for "faster" or "slower";
 # - how to read `torch.profiler`: a category table (GEMM, attention, element-wise, optimizer, ...),
 #   the **GPU-busy fraction** of a step, kernel launches, the per-phase split, a timeline picture and a
 #   trace file for Perfetto;
@@ -62,18 +64,17 @@ import textwrap
 import time
 from pathlib import Path
 
+import matplotlib
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
-from IPython.display import Markdown, display
-from torch.profiler import record_function
+from IPython.display import display
 
 from helpers import (
     accounting,
     batching,
     cleanup,
-    data,
     flops,
     measure,
     memsnap,
@@ -81,13 +82,15 @@ from helpers import (
     plots,
     profiler,
     profiles,
+    prose,
+    steps,
     timing,
 )
-from helpers.glue import glue
 from helpers.measure import GIB, MIB
 
 plots.use_style()
 pd.options.display.float_format = "{:,.2f}".format
+pd.options.display.max_colwidth = None  # row labels and kernel names printed whole, not cut at 50 characters
 prof = profiles.get()
 dev = prof.device
 env.report(prof)
@@ -161,32 +164,31 @@ if prof.on_gpu:
         peak = flops.peak_tflops(torch.cuda.get_device_name(), mm_dtype)
     except ValueError:  # a GPU the table does not know
         peak = None
-glue("mm_nosync_ms", clocks["clock only, no synchronise (median of 10)"] * 1e3)
-glue("mm_sync_ms", mm.wall.median * 1e3)
 clock_table
 
 # %% tags=["remove-input"]
+def clocks_text(n, nosync_s, t, first_s, peak_tflops, flop):
+    """What the three clocks said about one n x n product (``t``: its ``time_it`` result)."""
+    peak_txt = f"this GPU's datasheet peak is {peak_tflops:,.0f} TFLOP/s" if peak_tflops else "no GPU reaches that"
+    wall, events = t.wall.median, t.gpu.median
+    gap = 1 - events / wall
+    events_txt = (f"the CUDA events give {prose.ms(events)}, {prose.pct(gap)} below the synchronised clock, which also "
+                  f"counts the launch and the synchronisation" if gap >= 0.005 else
+                  f"the CUDA events give {prose.ms(events)}, within 0.5% of the synchronised clock")
+    return (f"Without synchronising, one product of two {n} x {n} matrices seems to take {nosync_s * 1e3:.3f} ms, "
+            f"which would mean {flop / nosync_s / 1e12:,.0f} TFLOP/s; {peak_txt}. That number is the time to *queue* "
+            f"the kernel. Synchronised, the product takes {prose.ms(wall)} ({flop / wall / 1e12:,.0f} TFLOP/s), and "
+            f"{events_txt}. The very first product took {first_s * 1e3:.1f} ms, {first_s / wall:.0f} times the steady "
+            f"state. A first call typically pays for one-time work: cuBLAS creating its handle and workspace, CUDA "
+            f"loading the kernel's code on first use (lazy loading), a library choosing its algorithm. Never time a "
+            f"first call.")
+
+
 if prof.on_gpu:
-    nosync = clocks["clock only, no synchronise (median of 10)"]
-    peak_txt = f"this GPU's datasheet peak is {peak:,.0f} TFLOP/s" if peak else "no GPU reaches that"
-    display(Markdown(
-        f"Without synchronising, one product of two {n} x {n} matrices seems to take {nosync * 1e3:.3f} ms, "
-        f"which would mean {matmul_flop / nosync / 1e12:,.0f} TFLOP/s; {peak_txt}. That number is the time to "
-        f"*queue* the kernel. Synchronised, the product takes {mm.wall.median * 1e3:.2f} ms "
-        f"({matmul_flop / mm.wall.median / 1e12:,.0f} TFLOP/s), and the CUDA events agree "
-        f"({mm.gpu.median * 1e3:.2f} ms). The very first product took {first_call_s * 1e3:.1f} ms, "
-        f"{first_call_s / mm.wall.median:.0f} times the steady state. A first call typically pays for one-time "
-        f"work: cuBLAS creating its handle and workspace, CUDA loading the kernel's code on first use (lazy "
-        f"loading), a library choosing its algorithm. Never time a first call."
-    ))
+    prose.say(clocks_text(n, clocks["clock only, no synchronise (median of 10)"], mm, first_call_s, peak, matmul_flop))
 else:
     print("skipped on CPU: a CPU computes synchronously, so the clock alone is right there")
 
-
-# %% [markdown]
-# *"Agree"* is relative to the unsynchronised time: in the committed run the events' 1.45 ms is a little below
-# the synchronised clock's 1.52 ms, because the events time only the GPU's work, while the clock also counts the
-# launch and the synchronisation.
 
 # %% [markdown]
 # **One helper for every timing.** `timing.time_it(fn, device=...)` does it right once: `warmup` untimed
@@ -197,9 +199,10 @@ else:
 # - *host enqueue*: start of the call until it returns, before synchronising: how long the CPU needs to
 #   issue the work.
 #
-# It reports the median, the interquartile range (IQR, the middle half of the samples) and the extremes,
-# and one extra call under the profiler gives the **GPU-busy fraction**: the share of the wall time in
-# which some kernel was running. The key lines, without the bookkeeping:
+# It reports the median, the interquartile range (IQR, the middle half of the samples) and the extremes.
+# Then, after one more warm-up call, three calls run under the profiler; the median of their GPU busy time
+# over the median wall time is the **GPU-busy fraction**: the share of the wall time in which some kernel
+# was running. The key lines, without the bookkeeping:
 #
 # ```python
 # start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -229,29 +232,122 @@ demo_table = pd.DataFrame({k: t.summary() for k, t in regimes_demo.items()}).T
 demo_table
 
 # %% tags=["remove-input"]
+def regimes_text(tiny_t, mm_t, launches=200):
+    """The two extremes: ``launches`` tiny additions (host-bound) against one large product (GPU-bound)."""
+    return (f"The tiny additions keep the GPU busy {prose.pct(tiny_t.gpu_busy)} of the time: each kernel runs for "
+            f"{tiny_t.kernel_s / launches * 1e6:.1f} µs, but launching it costs the CPU "
+            f"{tiny_t.host.median / launches * 1e6:.1f} µs. The CUDA events ({tiny_t.gpu.median * 1e3:.2f} ms) say "
+            f"nearly the same as the wall clock ({tiny_t.wall.median * 1e3:.2f} ms) and the host "
+            f"({tiny_t.host.median * 1e3:.2f} ms): on an idle stream the first event completes as soon as it is "
+            f"recorded, so the events span the whole call, the host's launches and the GPU's idle gaps included. On "
+            f"their own they cannot tell a busy GPU from a waiting one; the GPU-busy fraction can. The matrix product "
+            f"keeps the GPU busy {prose.pct(mm_t.gpu_busy)} of the time, and the CPU needed only "
+            f"{mm_t.host.median * 1e6:.0f} µs to issue it.")
+
+
 if prof.on_gpu:
-    tiny_t = regimes_demo["200 tiny additions (64 x 64)"]
-    glue("tiny_busy", tiny_t.gpu_busy)
-    glue("mm_busy", mm.gpu_busy)
-    display(Markdown(
-        f"The tiny additions keep the GPU busy {tiny_t.gpu_busy:.0%} of the time: each kernel runs for "
-        f"{tiny_t.kernel_s / 200 * 1e6:.1f} µs, but launching it costs the CPU {tiny_t.host.median / 200 * 1e6:.1f} µs. "
-        f"The CUDA events ({tiny_t.gpu.median * 1e3:.2f} ms) say nearly the same as the wall clock "
-        f"({tiny_t.wall.median * 1e3:.2f} ms) and the host ({tiny_t.host.median * 1e3:.2f} ms): on an idle stream the "
-        f"first event completes as soon as it is recorded, so the events span the whole call, the host's launches "
-        f"and the GPU's idle gaps included. On their own they cannot tell a busy GPU from a waiting one; the "
-        f"GPU-busy fraction can. "
-        f"The matrix product keeps the GPU busy {mm.gpu_busy:.0%} of the time, and the CPU needed only "
-        f"{mm.host.median * 1e6:.0f} µs to issue it."
-    ))
+    prose.say(regimes_text(regimes_demo["200 tiny additions (64 x 64)"], mm))
 else:
     print("skipped on CPU: GPU-busy and host enqueue time need a GPU (the table shows wall time only)")
 
 # %% [markdown]
-# **Spread.** The IQR column is the noise of the measurement. When two variants differ by less than it,
-# they are *within the noise*, whatever their medians say; `timing.compare` makes that call. Small,
-# host-bound workloads are the noisiest: their time is the time of Python and the CPU, which share the
-# machine with everything else that runs on it.
+# **Spread, and comparing two versions.** The IQR column is the noise *within* one block of samples. It says
+# nothing about what happens *between* blocks: a host-bound call is timed on the CPU, and the CPU's speed
+# drifts with everything else that runs on the machine (other processes, clock boosts, caches). So "time
+# version A ten times, then version B ten times, and compare the medians against the IQRs" can call
+# identical work faster or slower: the drift between the two blocks lands in the difference of the
+# medians, and the IQRs, measured within each block, do not contain it.
+#
+# The book therefore compares two versions **interleaved**: after a warm-up, it times one call of A and one
+# of B in each round (A, B in one round, B, A in the next, so neither always goes first), for at least ten
+# rounds (15 by default). Both samples of a round run within milliseconds of each other, so a drift moves
+# both alike and their ratio stays. The result is the **median of the per-round ratios** (A's time over B's:
+# above 1, B is faster), with a 95% interval for it taken from the order statistics of the rounds (no
+# assumption about the distribution). B is called *faster* or *slower* only when the whole interval lies
+# beyond ±3% (`timing.PRACTICAL_THRESHOLD`); otherwise the verdict is *no difference beyond the noise*.
+# `timing.interleaved(a, b, device=...)` does this, and every comparison of the book from here on comes
+# from it:
+#
+# ```python
+# for r in range(rounds):
+#     for side in ((a, b) if r % 2 == 0 else (b, a)):
+#         times[side].append(timed_call(side))      # synchronised, as in time_it
+# ratios = [ta / tb for ta, tb in zip(times[a], times[b])]
+# speedup, (lo, hi) = median(ratios), median_interval(ratios)
+# ```
+#
+# To see why, we time **the same work on both sides**, the 200 tiny additions (a host-bound call, the kind
+# whose time the CPU decides), once interleaved and in five pairs of blocks of ten (`timing.blocks`: the old
+# method, medians against the larger IQR). Whatever either method says, there is nothing to find.
+
+# %%
+def tiny_adds():
+    for _ in range(200):
+        small.add_(1)
+
+
+same_work = timing.interleaved(tiny_adds, tiny_adds, device=dev, names=("A", "A again"), busy=False)
+block_tries = [timing.blocks(tiny_adds, tiny_adds, device=dev, repeat=10) for _ in range(5)]
+method_rows = {f"two blocks of 10, try {i + 1}": {"speed-up (A's time / A again's)": r["speed-up"],
+                                                   "verdict": r["verdict"]} for i, r in enumerate(block_tries)}
+round_ratios = timing.Spread.of(same_work.ratios)
+method_rows[f"interleaved, {same_work.rounds} rounds"] = {
+    "speed-up (A's time / A again's)": same_work.speedup, "95% low": same_work.lo, "95% high": same_work.hi,
+    "per-round ratios, min": round_ratios.min, "per-round ratios, max": round_ratios.max,
+    "verdict": same_work.verdict}
+method_table = pd.DataFrame(method_rows).T[list(method_rows[f"interleaved, {same_work.rounds} rounds"])]
+method_table = method_table.rename_axis("identical work, method")
+method_table
+
+# %%
+fig, ax = plt.subplots(figsize=(8, 3.2))
+band = 1 + timing.PRACTICAL_THRESHOLD
+ax.axhspan(1 / band, band, color="0.9", label="±3%: no practical difference")
+ax.plot(np.zeros(same_work.rounds), same_work.ratios, "o", alpha=0.6, label="interleaved: one ratio per round")
+ax.errorbar([0.25], [same_work.speedup], yerr=[[same_work.speedup - same_work.lo], [same_work.hi - same_work.speedup]],
+            fmt="s", color="C0", capsize=4, label="interleaved: median, 95% interval")
+ax.plot(np.ones(len(block_tries)), [r["speed-up"] for r in block_tries], "x", color="C3", ms=9,
+        label="two blocks: ratio of medians, each try")
+ax.set_xticks([0.12, 1], ["interleaved", "blocks"])
+ax.set_xlim(-0.5, 1.5)
+ax.set_yscale("log")  # ratios: 2x and 1/2x equally far from 1
+y_lo, y_hi = ax.get_ylim()
+ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%.2f") if y_hi / y_lo < 2  # label the fine ticks
+                             else matplotlib.ticker.NullFormatter())                          # only on a narrow axis
+ax.set_ylabel("speed-up (time ratio, log scale)")
+ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
+ax.set_title("identical work on both sides: what each method reports")
+fig.tight_layout()
+
+# %% tags=["remove-input"]
+def methods_text(block_rows, c):
+    """What the block method and the interleaved rounds reported for identical work on both sides."""
+    words = [r["verdict"] for r in block_rows]
+    ratios = [r["speed-up"] for r in block_rows]
+    called = sum(w in ("faster", "slower") for w in words)  # counted, not named: the words change from run to run
+    if called:
+        blocks_txt = (f"In this run, the block method declared a difference between identical pieces of work in {called} "
+                      f"of {len(words)} tries (ratios of medians {min(ratios):.3f} to {max(ratios):.3f}; the table "
+                      f"says which way): the drift between two blocks was larger than the IQR within them.")
+    else:
+        blocks_txt = (f"In this run, none of the {len(words)} block comparisons declared a difference (ratios of "
+                      f"medians {min(ratios):.3f} to {max(ratios):.3f}): the host did not drift between blocks here. "
+                      f"On a shared host it can, and then the block method declares a difference where there is none.")
+    spread = timing.Spread.of(c.ratios)
+    if timing.within_threshold(c):
+        inside = "its whole interval lies inside ±3%"
+    elif c.verdict == timing.NO_DIFFERENCE:
+        inside = "its interval reaches beyond ±3%: these rounds were too noisy to rule out a 3% difference"
+    else:
+        inside = ("for identical work that is a false alarm, rare when the whole 95% interval must clear ±3%, "
+                  "but possible")
+    return (f"{blocks_txt} Interleaved, the same work gave {c.phrase()}; {inside}. The per-round ratios spread from "
+            f"{spread.min:.3f} to {spread.max:.3f} (middle half {spread.q1:.3f} to {spread.q3:.3f}): single rounds "
+            f"are noisy too, but their median is not pulled by a drift that affects both sides of every round.")
+
+
+prose.say(methods_text(block_tries, same_work))
 
 # %%
 freed = cleanup.free(globals(), "a", "b", "small")
@@ -265,7 +361,8 @@ if prof.on_gpu:
 # A timing says how long; a profile says *where*. `profiler.profile(step, device=...)` runs a training
 # step under `torch.profiler` with CPU and CUDA activities (a warm-up step, then the profiled ones), writes
 # the trace to a file, and reduces it to a few tables. The step marks its phases with `record_function`,
-# so every kernel can be assigned to the phase in which the CPU launched it:
+# so every kernel can be assigned to the phase in which the CPU launched it. The book's step,
+# `steps.make_step(model, optimizer, batch, amp=...)`, is these lines (plus a loss scaler for fp16):
 #
 # ```python
 # with record_function("forward"), torch.autocast("cuda", dtype=torch.bfloat16):
@@ -278,11 +375,12 @@ if prof.on_gpu:
 # ```
 #
 # Under the hood it is the standard recipe, `torch.profiler.profile(activities=[CPU, CUDA],
-# schedule=schedule(wait=0, warmup=1, active=2), on_trace_ready=...)` with `prof.step()` after each step.
+# schedule=schedule(wait=0, warmup=1, active=3), on_trace_ready=...)` with `prof.step()` after each step.
 #
 # The two models of the book, each at a small and a larger batch: `bert-large-uncased` (classification, 512
-# tokens) and the GPT-NeoX shape of `polyglot-ko-1.3b` (causal LM, 256 tokens), with fp32 weights, bf16
-# autocast and `torch.optim.AdamW` with its default (`foreach`) implementation. A configuration that does
+# tokens) and the GPT-NeoX shape of `polyglot-ko-1.3b` (causal LM, 256 tokens), with fp32 weights, 16-bit
+# autocast (bf16; fp16 with a loss scaler on GPUs without bf16) and `torch.optim.AdamW` with its default
+# (`foreach`) implementation. A configuration that does
 # not fit the GPU becomes a row that says so: the 1.3B model's weights, gradients and AdamW states take 16
 # bytes per parameter, about 20 GiB, more than a T4 has.
 
@@ -303,35 +401,18 @@ def build(name, **optimizer_kwargs):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-5, **optimizer_kwargs)
 
 
-def make_batch(name, batch_size, seed=0):
-    ds = data.dummy_dataset(batch_size, SETUPS[name]["seq_len"], task=SETUPS[name]["task"], seed=seed)
-    return {k: v.to(dev) for k, v in ds[:].items()}
+def batch_of(name, batch_size):
+    """A batch of random tokens for model ``name``'s task and length (``steps.batch_for``), on the device."""
+    return steps.batch_for(SETUPS[name]["task"], batch_size, SETUPS[name]["seq_len"], dev)
 
 
-def make_step(model, optimizer, batch):
-    """One training step with its phases marked; autocast on GPUs (fp16 steps use a loss scaler)."""
-    scaler = torch.amp.GradScaler("cuda") if (prof.on_gpu and AMP == torch.float16) else None
-
-    def step():
-        with record_function("forward"), torch.autocast(dev, dtype=AMP, enabled=prof.on_gpu):
-            loss = model(**batch).loss
-        with record_function("backward"):
-            (scaler.scale(loss) if scaler else loss).backward()
-        with record_function("optimizer"):
-            if scaler:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-    return step
+AMP_STEP = AMP if prof.on_gpu else None  # 16-bit autocast on GPUs; the CPU run keeps fp32
 
 
 def run_config(name, batch_size):
     """Time one configuration (10 repeats; 3 in the tiny profile) and profile it (3 steps); a table row and the profile."""
     model, optimizer = build(name)  # freed when the function returns (or by try_batch after an OOM)
-    step = make_step(model, optimizer, make_batch(name, batch_size))
+    step = steps.make_step(model, optimizer, batch_of(name, batch_size), amp=AMP_STEP)
     trace = TRACES / f"{name}_bs{batch_size}.json.gz"
     t = timing.time_it(step, device=dev, warmup=prof.pick(tiny=1, full=3), repeat=prof.pick(tiny=3, full=10),
                        trace_path=trace)  # tiny: CI's CPU run
@@ -345,6 +426,7 @@ def run_config(name, batch_size):
         "GPU kernel time (ms)": p.gpu_ms if p.on_gpu else np.nan,
         "GPU busy": t.gpu_busy if p.on_gpu else np.nan,
         "verdict": t.verdict,
+        "host µs per GPU op": timing.us_per_launch(t) if p.on_gpu else np.nan,
         "wall under the profiler (ms)": p.wall_ms,
         "GPU ops/step": p.kernels_per_step,
         "launch calls/step": p.launches_per_step,
@@ -382,32 +464,44 @@ top = profiles_by_config[big_bert].top_kernels(10, width=70) if big_bert in prof
 top
 
 # %% tags=["remove-input"]
-if prof.on_gpu and profiles_by_config:
-    r = step_table
-    for m, b in profiles_by_config:
-        glue(f"busy_{m}_bs{b}", r.loc[(m, b), "GPU busy"])
-
-    def describe(key):
-        return (f"batch {key[1]}: GPU busy {r.loc[key, 'GPU busy']:.0%} of a {r.loc[key, 'wall median (ms)']:.0f} ms "
-                f"step, host enqueue {r.loc[key, 'host enqueue (ms)']:.0f} ms, *{r.loc[key, 'verdict']}*")
-
+def regime_lines(r):
+    """One bullet per model (busy, step time, host enqueue, verdict) and one on the host-bound rows; ``r``:
+    the step table's rows of the configurations that fit, indexed by (model, batch)."""
     lines = []
-    for name in SETUPS:
-        keys = [k for k in profiles_by_config if k[0] == name]
-        if keys:
-            lines.append(f"- **{name}**, " + "; ".join(describe(k) for k in keys) + ".")
-    host_bound = [k for k in profiles_by_config if r.loc[k, "verdict"] == "host-bound"]
-    lines.append(
-        f"- **Host-bound at small batches.** In {len(host_bound)} of the {len(profiles_by_config)} configurations that "
-        f"fit, the CPU needs longer to issue a step's {min(p.launches_per_step for p in profiles_by_config.values()):,} "
-        f"or more kernel launches than the GPU needs to run them, and the GPU waits.")
+    for name in dict.fromkeys(m for m, _ in r.index):
+        lines.append(f"- **{name}**, " + "; ".join(
+            f"batch {b}: GPU busy {prose.pct(row['GPU busy'])} of a {row['wall median (ms)']:.0f} ms step, host "
+            f"enqueue {row['host enqueue (ms)']:.0f} ms, *{row['verdict']}*" for (m, b), row in r.iterrows() if m == name)
+            + ".")
+    host_bound = [(m, b) for (m, b), row in r.iterrows() if row["verdict"] == "host-bound"]
+    us = r["host µs per GPU op"].astype(float)
+    if host_bound:
+        lines.append(
+            f"- **Host-bound: {prose.listing(f'{m} at batch {b}' for m, b in host_bound)}.** There the CPU needs longer "
+            f"to issue the step's {min(r.loc[k, 'GPU ops/step'] for k in host_bound):,} or more GPU operations than the "
+            f"GPU needs to run them, and the GPU waits. This host spends {us.min():.0f} to {us.max():.0f} µs per "
+            f"operation (host enqueue time over GPU operations): which configurations land on this side is decided by "
+            f"the CPU as much as by the GPU, and a faster host moves the line to smaller batches.")
+    else:
+        lines.append(
+            f"- **No configuration is host-bound here** (this host spends {us.min():.0f} to {us.max():.0f} µs per GPU "
+            f"operation): by the verdicts above, at every batch that fit the CPU issues the work at least about as fast "
+            f"as the GPU runs it.")
+    return lines
+
+
+if prof.on_gpu and profiles_by_config:
+    r = step_table.loc[list(profiles_by_config)]
+    lines = regime_lines(r)
     l_keys = [k for k in profiles_by_config if k[0] == "polyglot-ko-1.3b"]
-    if len(l_keys) == 2:
+    if len(l_keys) == 2 and r.loc[l_keys[0], "verdict"] == "host-bound":
         (_, l0), (_, l1) = l_keys
         lines.append(
             f"  The 1.3B model took {r.loc[l_keys[0], 'wall median (ms)']:.0f} ms at batch {l0} and "
             f"{r.loc[l_keys[1], 'wall median (ms)']:.0f} ms at batch {l1}, {l1 // l0} times the tokens: not inefficient "
             f"small kernels, but a GPU waiting for its work.")
+    if len(l_keys) == 2:
+        (_, l0), (_, l1) = l_keys
         cat_l0 = profiles_by_config[l_keys[0]].categories()["share"]
         lines.append(
             f"- **What the GPU does when it works.** At batch {l0} the optimizer's kernels are {cat_l0['optimizer']:.0%} "
@@ -422,12 +516,13 @@ if prof.on_gpu and profiles_by_config:
         copies = ew[ew["name"].str.contains("copy_kernel")]
         fwd_share = copies.loc[copies["phase"] == "forward", "dur_us"].sum() / copies["dur_us"].sum()
         lines.append(
-            f"  At batch {big_bert[1]}, bert-large spends {cat_b['GEMM']:.0%} of its GPU time in matrix products, "
+            ("  " if len(l_keys) == 2 else "- **What the GPU does when it works.** ")
+            + f"At batch {big_bert[1]}, bert-large spends {cat_b['GEMM']:.0%} of its GPU time in matrix products, "
             f"{cat_b['attention']:.0%} in attention and {cat_b['element-wise / normalisation']:.0%} in element-wise and "
             f"normalisation kernels. {copies['dur_us'].sum() / ew['dur_us'].sum():.0%} of the latter are copy kernels "
             f"(`direct_copy`, `bfloat16_copy`): dtype conversions and layout copies, autocast's casts to 16 bits among "
             f"them; {fwd_share:.0%} of their time is in the forward pass.")
-    display(Markdown("\n".join(lines)))
+    prose.say("\n".join(lines))
 elif prof.on_gpu:
     print("no configuration fit this GPU")
 else:
@@ -483,7 +578,13 @@ sorted(str(p.trace_path) for p in profiles_by_config.values())
 # `time_it(..., loop=3)` also times three steps back to back with one synchronisation (10 repeats), and
 # the throughput column comes from that.
 #
-# A warning before reading the numbers: a host-bound step is timed on the CPU, and on a shared machine the CPU's speed changes from minute to minute. Compare the IQRs of the small batches with those of the large, GPU-bound ones, and expect the small batches' times to move between runs.
+# A warning before reading the numbers: a host-bound step is timed on the CPU, and on a shared machine the
+# CPU's speed changes from minute to minute. Compare the IQRs of the small batches with those of the large,
+# GPU-bound ones, and expect the small batches' times to move between runs. The sweep therefore asks no
+# "is batch 8 slower than batch 1?" of these separate blocks of samples (section 8.1 showed why that
+# question needs interleaving); it reads, at each batch, two quantities that do not drift with each other:
+# the host's enqueue time and the GPU's kernel time. While the first is the longer, the host sets the step's
+# pace.
 
 # %%
 def ch3_step(batch_size):
@@ -491,14 +592,8 @@ def ch3_step(batch_size):
     dtype = torch.float16 if prof.on_gpu else torch.float32
     model = models.build("polyglot-ko-1.3b", head="causal-lm", dtype=dtype, attn_implementation="eager").train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    batch = make_batch("polyglot-ko-1.3b", batch_size)
-
-    def step():
-        model(**batch).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return timing.time_it(step, device=dev, warmup=prof.pick(tiny=1, full=2), repeat=prof.pick(tiny=3, full=10), loop=3)
+    batch = batch_of("polyglot-ko-1.3b", batch_size)
+    return timing.time_it(lambda: steps.train_step(model, optimizer, batch), device=dev, warmup=prof.pick(tiny=1, full=2), repeat=prof.pick(tiny=3, full=10), loop=3)
 
 
 sweep = {}
@@ -508,11 +603,8 @@ for bs in prof.pick(tiny=[1, 2, 4], full=[1, 2, 4, 8, 16, 32, 64]):
         sweep[bs] = {"note": f"out of memory ({attempt.error})"}
         break  # larger batches will not fit either
     t = attempt.value
-    sweep[bs] = {**t.summary(), "tokens/s": bs * SETUPS["polyglot-ko-1.3b"]["seq_len"] / t.loop.median, "timed": t}
-sweep_timed = {bs: row.pop("timed") for bs, row in sweep.items() if "timed" in row}
-first_bs = min(sweep_timed)
-for bs, t in sweep_timed.items():  # is this batch's step slower than batch 1's, beyond the noise?
-    sweep[bs]["vs batch 1"] = timing.compare({"b1": sweep_timed[first_bs], "b": t}, "b1")["b"]["difference"]
+    sweep[bs] = {**t.summary(), "host µs per GPU op": timing.us_per_launch(t),
+                 "tokens/s": bs * SETUPS["polyglot-ko-1.3b"]["seq_len"] / t.loop.median}
 sweep_table = pd.DataFrame(sweep).T.rename_axis("batch")
 sweep_table
 
@@ -534,7 +626,7 @@ ax1.set_xlabel(f"batch size (sequences of {seq_sweep} tokens)")
 ax1.set_ylabel("time per step (ms)")
 ax1.set_ylim(bottom=0)
 ax1.legend()
-ax1.set_title("step time: flat while the host is the limit")
+ax1.set_title("step time against batch size")
 if prof.on_gpu:
     ax2.plot(x, ok["GPU busy"].astype(float) * 100, "o-", color="C2")
     ax2.set_ylim(0, 105)
@@ -544,49 +636,63 @@ else:
 ax2.set_xscale("log", base=2)
 ax2.set_xticks(x, [str(int(v)) for v in x])
 ax2.set_xlabel(f"batch size (sequences of {seq_sweep} tokens)")
-ax2.set_title("GPU busy rises with the batch")
+ax2.set_title("GPU busy against batch size")
 fig.suptitle(prof.pick(tiny="the 1.3B model's tiny twin (CPU run)", full="1.3B GPT-NeoX")
              + ", chapter 3's setup (fp16 weights on a GPU, eager attention)")
 fig.tight_layout()
 
 # %% tags=["remove-input"]
-if prof.on_gpu and len(ok) >= 3:
+def sweep_text(ok):
+    """The sweep read by host enqueue against GPU kernel time (no block comparisons); ``ok``: the rows that fit."""
     b0, bl = ok.index[0], ok.index[-1]
-    not_slower = [b for b in ok.index if ok.loc[b, "vs batch 1"] != "slower"]
-    same_end = max(b for b in not_slower if all(ok.loc[c, "vs batch 1"] != "slower" for c in ok.index if c <= b))
-    glue("sweep_busy_first", ok.loc[b0, "GPU busy"])
-    glue("sweep_busy_last", ok.loc[bl, "GPU busy"])
-    ops_ratio = ok.loc[bl, "GPU ops per call"] / ok.loc[b0, "GPU ops per call"]
-    flat = (f"Up to batch {same_end} the synchronised step time is not slower than batch {b0}'s beyond the noise "
-            f"(the *vs batch 1* column; batch {b0}: {ok.loc[b0, 'wall median (ms)']:.0f} ms, IQR "
-            f"{ok.loc[b0, 'wall IQR (ms)']:.0f} ms), while the tokens per step grow {same_end // b0} times. "
-            if same_end > b0 else
-            f"Here the step time already grows beyond the noise at batch {ok.index[1]}, though far less than the tokens. ")
-    display(Markdown(
-        flat + f"At batch {b0} the "
-        f"host needs {ok.loc[b0, 'host enqueue median (ms)']:.0f} ms to issue a step and the GPU is busy "
-        f"{ok.loc[b0, 'GPU busy']:.0%} of the time. Back to back, a step takes {ok.loc[b0, 'back to back, per call (ms)']:.0f} ms "
-        f"(IQR {ok.loc[b0, 'back to back IQR (ms)']:.0f}) against {ok.loc[b0, 'wall median (ms)']:.0f} ms synchronised: "
-        + ("less, because the CPU issues the next step while the GPU finishes this one. "
-           if ok.loc[b0, 'back to back, per call (ms)'] < ok.loc[b0, 'wall median (ms)'] - ok.loc[b0, 'wall IQR (ms)'] else
-           "no faster beyond the noise: a host-bound step leaves the GPU little work to overlap with the next one. ")
-        + f"Only when the GPU's work "
-        f"outgrows the host's does the step time rise: at batch {bl} the GPU is busy {ok.loc[bl, 'GPU busy']:.0%} of "
-        f"{ok.loc[bl, 'wall median (ms)']:.0f} ms, and throughput is {ok.loc[bl, 'tokens/s'] / ok.loc[b0, 'tokens/s']:.1f} "
-        f"times that of batch {b0}. There the host enqueue time grows too ({ok.loc[bl, 'host enqueue median (ms)']:.0f} ms "
-        f"for only {ops_ratio:.2f} times the operations): the CPU is not slower, it is *blocked*, waiting for room in "
-        f"the GPU's launch queue. **The first fix for a host-bound step is a larger batch**: the extra work is almost "
-        f"free until the GPU becomes the limit."
-    ))
+    first, last = ok.loc[b0], ok.loc[bl]
+    host, kern, wall = (ok[c].astype(float) for c in ("host enqueue median (ms)", "GPU kernel time (ms)",
+                                                      "wall median (ms)"))
+    text = [f"At batch {b0} the host needs {host[b0]:.0f} ms to issue a step's {int(first['GPU ops per call']):,} GPU "
+            f"operations ({first['host µs per GPU op']:.0f} µs each on this machine's CPU), the GPU's kernels run for "
+            f"{kern[b0]:.0f} ms, and the GPU is busy {prose.pct(first['GPU busy'])} of the {wall[b0]:.0f} ms step: "
+            f"*{first['verdict']}*."]
+    gpu_longer = [b for b in ok.index if kern[b] > host[b]]
+    if not gpu_longer:
+        text.append(f"At no batch up to {bl} does the GPU's kernel time pass the host's enqueue time: on this machine the "
+                    f"host sets the step's pace throughout the sweep, from {wall[b0]:.0f} ms at batch {b0} to "
+                    f"{wall[bl]:.0f} ms at batch {bl}, {bl // b0} times the tokens.")
+    elif gpu_longer[0] == b0:
+        text.append(f"Already at batch {b0} the GPU's kernel time is the longer one: on this machine the GPU, not the host, "
+                    f"sets the pace at every batch of the sweep.")
+    else:
+        cross = gpu_longer[0]
+        before = ok.index[list(ok.index).index(cross) - 1]
+        text.append(f"Up to batch {before} the host's enqueue time is longer than the GPU's kernel time, so the step "
+                    f"takes about as long as the host needs ({wall[b0]:.0f} ms at batch {b0}, {wall[before]:.0f} ms at "
+                    f"batch {before}, {before // b0} times the tokens). At batch {cross} the GPU's kernels first take "
+                    f"longer than the launches ({kern[cross]:.0f} against {host[cross]:.0f} ms), and from there the step "
+                    f"time follows the GPU's work: {wall[bl]:.0f} ms at batch {bl}, GPU busy {prose.pct(last['GPU busy'])}, "
+                    f"{last['tokens/s'] / first['tokens/s']:.1f} times batch {b0}'s throughput.")
+    tail = wall[b0] - host[b0]
+    text.append(f"Back to back, a step at batch {b0} takes {first['back to back, per call (ms)']:.0f} ms (IQR "
+                f"{first['back to back IQR (ms)']:.0f}) against {wall[b0]:.0f} ms synchronised. Overlapping steps can save "
+                f"at most the GPU's tail after the host has issued the step, wall minus host enqueue: {tail:.0f} ms here"
+                + (f", no more than the spread of the synchronised samples (IQR {first['wall IQR (ms)']:.0f} ms), so "
+                   f"this run cannot show it." if tail <= first["wall IQR (ms)"] else "."))
+    if bl != b0 and host[bl] > 1.2 * host[b0]:
+        text.append(f"The host's enqueue time grows with the batch too ({host[bl]:.0f} ms at batch {bl}, for "
+                    f"{last['GPU ops per call'] / first['GPU ops per call']:.2f} times batch {b0}'s operations). Enqueue "
+                    f"time counts every wait inside the call as well as the launches, and a CPU running ahead of a busy GPU "
+                    f"can end up waiting (for room in the launch queue, or in an allocator call that synchronises); these "
+                    f"numbers alone do not say which.")
+    if first["verdict"] == "host-bound":
+        text.append("**The first fix for a host-bound step is a larger batch**: until the GPU's kernel time catches up "
+                    "with the host's enqueue time, the extra work costs little time. Where that happens depends on this "
+                    "machine's CPU as much as on its GPU.")
+    return " ".join(text)
+
+
+if prof.on_gpu and len(ok) >= 3:
+    prose.say(sweep_text(ok))
 else:
     print("skipped on CPU: the host/GPU split needs a GPU")
 
-
-# %% [markdown]
-# *On the sweep above.* In the committed run the *vs batch 1* column marks batch 8 "slower" while its verdict is
-# still "host-bound" (GPU busy 0.49), and batch 16 "within the noise" again: the time of a host-bound step moves
-# with the shared CPU (the warning above), so this sweep places the start of the rise only roughly. The rise
-# beyond every IQR begins at batch 32, where the GPU is busy 0.97 of the time.
 
 # %% [markdown]
 # ### Host-bound: CUDA graphs
@@ -617,94 +723,130 @@ else:
 # # each training step: copy the new batch into static_batch, then graph.replay()
 # ```
 #
-# Below, bert-large at batch 4 (host-bound above), eager against graph-replayed, each timed with `time_it`.
+# Below, bert-large at its smaller batch of section 8.2 (host-bound there, on that machine), in two
+# interleaved comparisons, each against the ordinary eager step (default AdamW): the same eager step with a
+# capturable AdamW, which the graph needs, and the captured step replayed. Each sample is three steps back to
+# back with one synchronisation at the end, as a training loop runs them, so the eager side gets the overlap
+# between steps that a loop allows.
+#
+# One detail decides what the graph replays. The batch has no padding, and eager transformers drops an all-ones
+# `attention_mask` so that SDPA can pick its fused attention kernel. While capturing, transformers (5.17, this
+# book was written with) treats the capture like `torch.compile`'s tracing: called with no mask, it builds an expanded
+# all-True mask that the fused kernels cannot take, and attention falls back to SDPA's *math* path, batched
+# matrix products and a softmax that upcast 16-bit inputs to fp32. Passing the batch's all-ones mask
+# explicitly keeps the fused kernel. Chapter 9 (section 9.4) probes this; here the batch carries its mask, and
+# the category table below shows which attention kernel the replay ran.
 
 # %%
+GRAPH_LOOP = 3  # steps back to back in every timed sample, as a training loop runs them
+
+
 def graph_vs_eager(name, batch_size):
-    """Time one training step eager (default AdamW), eager with a capturable AdamW, and as a CUDA graph."""
+    """The eager step (default AdamW) against the eager step with a capturable AdamW, and against the CUDA graph
+    of the capturable step: two interleaved comparisons on one model. Returns the comparisons by name."""
     model, optimizer = build(name)
-    batch = make_batch(name, batch_size)
-    out = {"eager": timing.time_it(make_step(model, optimizer, batch), device=dev)}
-    del optimizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, capturable=True)
-    eager_step = make_step(model, optimizer, batch)
-    out["eager, capturable AdamW"] = timing.time_it(eager_step, device=dev)
+    batch = batch_of(name, batch_size)
+    batch["attention_mask"] = torch.ones_like(batch["input_ids"])  # explicit: see above
+    eager_step = steps.make_step(model, optimizer, batch, amp=AMP_STEP)
+    cap_optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, capturable=True)
+    cap_step = steps.make_step(model, cap_optimizer, batch, amp=AMP_STEP)
+    # the capturable optimizer's cost is the smaller effect of the two: more rounds narrow its interval
+    out = {"eager, capturable AdamW": timing.interleaved(eager_step, cap_step, device=dev, loop=GRAPH_LOOP, rounds=21,
+                                                         names=("eager", "eager, capturable AdamW"))}
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(3):
-            eager_step()
+            cap_step()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    optimizer.zero_grad(set_to_none=True)
+    cap_optimizer.zero_grad(set_to_none=True)
     try:
         with torch.cuda.graph(graph):
             with torch.autocast("cuda", dtype=AMP, cache_enabled=False):
                 loss = model(**batch).loss
             loss.backward()  # (in fp16 a real run would also scale the loss; here only the speed matters)
-            optimizer.step()
-        out["CUDA graph (capturable AdamW)"] = timing.time_it(graph.replay, device=dev)
+            cap_optimizer.step()
     except RuntimeError as err:  # an operation that cannot be captured
-        out["capture failed"] = str(err).splitlines()[0]
+        return {**out, "capture failed": str(err).splitlines()[0]}
+    out["CUDA graph"] = timing.interleaved(eager_step, graph.replay, device=dev, loop=GRAPH_LOOP,
+                                           names=("eager", "CUDA graph"))
     return out
 
 
-graph_result = None
+graph_result, graph_cats = None, None
 if profiles.cuda_or_skip("CUDA graphs need a GPU"):
     graph_bs = SETUPS["bert-large-uncased"]["batches"][0]
-    graph_result = graph_vs_eager("bert-large-uncased", graph_bs)
-    timed = {k: v for k, v in graph_result.items() if isinstance(v, timing.Timed)}
-    graph_table = pd.DataFrame({k: t.summary() for k, t in timed.items()}).T
-    graph_table["launch calls per step"] = pd.Series({k: t.profile.launches_per_step for k, t in timed.items()})
-    graph_table["vs eager"] = pd.Series({k: f"{v['speed-up']:.2f}x, {v['difference']}"
-                                         for k, v in timing.compare(timed, "eager").items()})
-    if "capture failed" in graph_result:
+    attempt = batching.try_batch(lambda bs: graph_vs_eager("bert-large-uncased", bs), graph_bs)
+    graph_result = attempt.value if attempt.fits else None
+    if not attempt.fits:
+        print(f"batch {graph_bs}: out of memory ({attempt.error})")
+    elif "capture failed" in graph_result:
         print("capture failed:", graph_result["capture failed"])
-    display(graph_table)
-    graph_cats = pd.DataFrame({k: t.profile.categories(use_phases=False)["GPU time (ms/step)"] for k, t in timed.items()})
-    display(graph_cats.rename_axis("GPU time per step (ms), by kernel name"))
-    if "CUDA graph (capturable AdamW)" in timed:
-        display(timed["CUDA graph (capturable AdamW)"].profile.top_kernels(6, width=70).rename_axis("kernels of the replay"))
+    comps = {k: c for k, c in (graph_result or {}).items() if isinstance(c, timing.Comparison)}
+    if comps:
+        graph_table = pd.DataFrame({k: {**c.row(), "candidate host enqueue (ms)": c.b.host.median * 1e3,
+                                        "candidate launch calls per step": c.b.profile.launches_per_step}
+                                    for k, c in comps.items()}).T.rename_axis(f"against the eager step, bert-large, "
+                                                                              f"batch {graph_bs}")
+        display(graph_table)
+        sides = {"eager": comps["eager, capturable AdamW"].a.profile, **{k: c.b.profile for k, c in comps.items()}}
+        graph_cats = pd.DataFrame({k: p_.categories(use_phases=False)["GPU time (ms/step)"] for k, p_ in sides.items()})
+        # Without phase marks (a replay has none) the optimizer's kernels cannot be told apart by name: they are in
+        # the element-wise row, so the optimizer row (always 0 here) is left out.
+        graph_cats = graph_cats.drop(index="optimizer")
+        display(graph_cats.rename_axis("GPU time per step (ms), by kernel name (optimizer kernels in element-wise)"))
+    if "CUDA graph" in comps:
+        display(comps["CUDA graph"].b.profile.top_kernels(6, width=70).rename_axis("kernels of the replay"))
 
 # %% tags=["remove-input"]
-if graph_result and "CUDA graph (capturable AdamW)" in graph_result:
-    e0, e, g = (graph_result[k] for k in ("eager", "eager, capturable AdamW", "CUDA graph (capturable AdamW)"))
-    cmp = timing.compare({"eager": e0, "graph": g}, "eager")["graph"]
-    cap = timing.difference(e0.wall, e.wall)  # the capturable optimizer's eager step against the plain one
-    glue("graph_speedup", cmp["speed-up"])
-    attn_e, attn_g = graph_cats.loc["attention", "eager, capturable AdamW"], graph_cats.loc["attention", "CUDA graph (capturable AdamW)"]
-    text = (
-        f"Replaying the captured step takes {g.wall.median * 1e3:.1f} ms (IQR {g.wall.iqr * 1e3:.2f}) against "
-        f"{e0.wall.median * 1e3:.1f} ms (IQR {e0.wall.iqr * 1e3:.1f}) for the ordinary eager step: {cmp['speed-up']:.1f} times "
-        f"the speed ({cmp['difference']}). A capturable AdamW keeps its step counters on the GPU and launches more "
-        f"kernels ({e.profile.launches_per_step:,} launch calls instead of {e0.profile.launches_per_step:,}); alone, "
-        + {"slower": "it makes the eager step slower", "faster": "it still makes the eager step faster"}.get(
-            cap, "its eager step is within the noise of the ordinary one")
-        + f" ({e.wall.median * 1e3:.1f} ms, IQR {e.wall.iqr * 1e3:.1f}). The "
-        f"graph replays everything with {g.profile.launches_per_step} launch call(s); the GPU is busy {g.gpu_busy:.0%} of "
-        f"the time instead of {e0.gpu_busy:.0%}, and the CPU issues the whole step in {g.host.median * 1e3:.2f} ms. "
-    )
-    if g.kernel_s > 1.1 * e.kernel_s:
-        text += (f"The win comes despite *more* GPU work: {g.kernel_s * 1e3:.1f} ms of kernel time replayed against "
-                 f"{e.kernel_s * 1e3:.1f} ms eager with the same optimizer. ")
+def graph_text(cap_c, graph_c, cats, loop):
+    """The graph's comparison and the capturable optimizer's, each against the ordinary eager step, with the
+    attention kernel read from ``cats`` (GPU ms per step by category; columns eager, CUDA graph)."""
+    e, g = graph_c.a, graph_c.b
+    us = timing.us_per_launch(e)
+    text = [f"Timed interleaved against the ordinary eager step ({loop} steps back to back per sample), the replayed "
+            f"graph runs at {graph_c.phrase(what='than the eager step')}: {prose.ms(g.wall.median)} per step against "
+            f"{prose.ms(e.wall.median)}. The graph issues a step with {g.profile.launches_per_step} launch call(s) in "
+            f"{g.host.median * 1e3:.2f} ms of host time, where the eager step needs {e.profile.launches_per_step:,} "
+            f"launches and {prose.ms(e.host.median)}: {us:.0f} µs per launch on this machine's CPU. The GPU is busy "
+            f"{prose.pct(g.gpu_busy)} of the replay's time against {prose.pct(e.gpu_busy)} of the eager step's."]
+    kr = graph_c.kernel_ratio
+    if graph_c.verdict == "faster":
+        text.append("The gain is the launch time the graph removes, so its size is set by the host: a faster CPU "
+                    "issues the eager step sooner and gains less from the graph, a slower one gains more.")
+    elif g.kernel_s > 1.1 * e.kernel_s:
+        text.append(f"Here the graph brought no gain: its GPU work ({prose.ms(g.kernel_s)} of kernel time per replayed "
+                    f"step against {prose.ms(e.kernel_s)} eager) outweighs the launch time it saves on this machine.")
+    else:
+        text.append(f"Here the graph brought no gain: on this machine the eager step was not waiting for its launches "
+                    f"(GPU busy {prose.pct(e.gpu_busy)}), so there was little launch time to remove.")
+    attn_e, attn_g = cats.loc["attention", "eager"], cats.loc["attention", "CUDA graph"]
     if attn_g < 0.2 * attn_e:
-        text += (f"The category table shows where it comes from: no kernel of the replay has an attention kernel's name "
-                 f"(eager: {attn_e:.1f} ms), while its matrix products and element-wise kernels grew: during capture, "
-                 f"attention ran in a different implementation, built from ordinary matrix products and element-wise "
-                 f"kernels (the replay's top kernels above). Which attention kernel runs, and how to choose one, is "
-                 f"chapter 9's subject. ")
-    text += "Chapter 9 also gets a graph's effect with less ceremony, from `torch.compile(mode=\"reduce-overhead\")`."
-    display(Markdown(text))
+        text.append(f"No kernel of the replay has an attention kernel's name (eager: {attn_e:.1f} ms per step): under "
+                    f"capture, attention ran on SDPA's math path, batched matrix products and a softmax in fp32, and the "
+                    f"replay's kernels take {1 / kr:.2f} times the eager step's time. Section 9.4 finds the cause.")
+    else:
+        text.append(f"The replay still runs attention kernels, as the eager step does ({attn_g:.1f} against "
+                    f"{attn_e:.1f} ms per step), and its kernels take {1 / kr:.2f} times the eager step's kernel time (the capturable "
+                    f"optimizer's extra kernels included): the graph changes how the work is launched, not the work.")
+    c = cap_c.b
+    effect = {"slower": "its extra launches make the eager step slower"
+                        + (", and the graph's gain comes despite them" if graph_c.verdict == "faster" else ""),
+              "faster": "the eager step with it is even faster, though it launches more",
+              }.get(cap_c.verdict, "its extra launches cost no more than the noise of this comparison")
+    text.append(f"A capturable AdamW keeps its step counters on the GPU and launches more kernels "
+                f"({c.profile.launches_per_step:,} launch calls per step instead of {cap_c.a.profile.launches_per_step:,}); "
+                f"alone, the eager step with it runs at {cap_c.phrase(what='than with the default AdamW')}: {effect}. "
+                f"Chapter 9 gets a graph's effect with less ceremony, from `torch.compile(mode=\"reduce-overhead\")`.")
+    return " ".join(text)
+
+
+if graph_result and "CUDA graph" in graph_result:
+    prose.say(graph_text(graph_result["eager, capturable AdamW"], graph_result["CUDA graph"], graph_cats, GRAPH_LOOP))
 elif graph_result:
     print("the capture failed on this setup; see the message above")
 
-
-# %% [markdown]
-# *On the factor above.* The eager step is host-bound, so its time follows the CPU, which this machine shared
-# with other work. In the committed run the same eager configuration (bert-large, batch 4) took 68.69 ms (IQR
-# 14.76) in section 8.2's table and 102.80 ms (IQR 14.15) in the table above. Against the former the graph's
-# gain is smaller than the factor quoted; what does not move is the replay itself (55.17 ms, IQR 0.10), with the
-# GPU busy 97% of the time and the CPU issuing the whole step in 2.23 ms.
 
 # %% [markdown]
 # ### Memory-bandwidth-bound: the optimizer step and element-wise kernels
@@ -714,15 +856,18 @@ elif graph_result:
 # memory. AdamW is such a kernel: for each fp32 parameter it must read the parameter, its gradient and the
 # two moments (16 bytes) and write back the parameter and the moments (12 bytes), at least **28 bytes per
 # parameter**. PyTorch's default `foreach` implementation does this in several passes (one per arithmetic
-# step, each over whole lists of tensors); `fused=True` does it in one kernel. Timed on bert-large's
-# parameters (random gradients), against the copy:
+# step, each over whole lists of tensors); `fused=True` does it in one pass over the states (a few
+# multi-tensor launches, each over a chunk of the tensor list). Timed on bert-large's parameters (random
+# gradients), against the copy; the two AdamW implementations are compared interleaved, one step of each
+# per round, with their kernel time beside the wall time (this is a change on the GPU's side: kernel time is
+# where it acts, and it does not move with the host):
 
 # %%
 def bandwidth_gib_s(nbytes, t):
     return nbytes / GIB / t.wall.median
 
 
-bw_rows, bw_timings = {}, {}
+bw_rows = {}
 copy_elems = prof.pick(tiny=2**22, full=2**28)  # 1 GiB of fp32 on the GPU
 src = torch.randn(copy_elems, device=dev)
 dst = torch.empty_like(src)
@@ -738,12 +883,12 @@ params = list(model.parameters())
 for param in params:
     param.grad = torch.randn_like(param) * 1e-3
 n_params = sum(param.numel() for param in params)
-for impl in ("foreach", "fused"):
-    opt = torch.optim.AdamW(params, lr=1e-5, **{impl: True})
-    bw_timings[impl] = t = timing.time_it(opt.step, device=dev, warmup=2, repeat=10)
+optimizers = {impl: torch.optim.AdamW(params, lr=1e-5, **{impl: True}) for impl in ("foreach", "fused")}
+adam_cmp = timing.interleaved(optimizers["foreach"].step, optimizers["fused"].step, device=dev,
+                              names=("foreach", "fused"))
+for impl, t in (("foreach", adam_cmp.a), ("fused", adam_cmp.b)):
     bw_rows[f"AdamW step ({impl})"] = {"bytes moved (GiB)": 28 * n_params / GIB, **t.summary()}
-    del opt
-cleanup.free(globals(), "model", "params", "param")
+cleanup.free(globals(), "model", "params", "param", "optimizers")
 bw_table = pd.DataFrame(bw_rows).T
 bw_table["achieved, by wall time (GiB/s)"] = bw_table["bytes moved (GiB)"] / (bw_table["wall median (ms)"] / 1e3)
 if prof.on_gpu:
@@ -751,33 +896,36 @@ if prof.on_gpu:
 bw_table
 
 # %% tags=["remove-input"]
-if prof.on_gpu:
-    wall_bw, kern_bw = bw_table["achieved, by wall time (GiB/s)"], bw_table["achieved, by kernel time (GiB/s)"]
+def bandwidth_text(bw, c, sheet_gib_s=None):
+    """The copy and GeLU against the memory's speed, and fused against ``foreach`` AdamW (``c``: interleaved)."""
+    wall_bw, kern_bw = bw["achieved, by wall time (GiB/s)"], bw["achieved, by kernel time (GiB/s)"]
     copy_bw, copy_kbw = wall_bw["device-to-device copy"], kern_bw["device-to-device copy"]
-    fe, fu = bw_table.loc["AdamW step (foreach)"], bw_table.loc["AdamW step (fused)"]
-    cmp = timing.compare({"foreach": bw_timings["foreach"], "fused": bw_timings["fused"]}, "foreach")["fused"]
-    glue("copy_gib_s", copy_bw)
-    glue("adam_fused_speedup", cmp["speed-up"])
+    fe, fu = bw.loc["AdamW step (foreach)"], bw.loc["AdamW step (fused)"]
+    sheet_txt = f", {copy_kbw / sheet_gib_s:.0%} of the datasheet's {sheet_gib_s:,.0f} GiB/s" if sheet_gib_s else ""
+    kernel_txt = (f"by kernel time fused needs {1 / c.kernel_ratio:.2f} times `foreach`'s "
+                  f"({fu['GPU kernel time (ms)']:.1f} against {fe['GPU kernel time (ms)']:.1f} ms)")
+    wall_txt = f"by wall time, interleaved, fused runs at {c.phrase(what='than foreach')}"
+    return (
+        f"The copy streams {copy_bw:,.0f} GiB/s by wall time and {copy_kbw:,.0f} GiB/s by kernel time{sheet_txt} (bytes "
+        f"read plus bytes written). GeLU reaches {kern_bw['GeLU (16-bit)'] / copy_kbw:.0%} of the copy's kernel-time "
+        f"rate: an element-wise kernel is as fast as memory lets it be, and its FLOPs do not matter.\n\n"
+        f"The fused AdamW step runs {int(fu['GPU ops per call'])} GPU operations, `foreach` {int(fe['GPU ops per call'])}; "
+        f"{kernel_txt}, and {wall_txt}. On the GPU, the fused kernels move the 28 bytes per parameter at "
+        f"{kern_bw['AdamW step (fused)']:,.0f} GiB/s of kernel time ({kern_bw['AdamW step (fused)'] / copy_kbw:.0%} of "
+        f"the copy's), while `foreach`'s kernels reach an *effective* {kern_bw['AdamW step (foreach)']:,.0f} GiB/s, "
+        f"because they read and write the states several times. Neither keeps the GPU fully busy "
+        f"({prose.pct(fe['GPU busy'])} and {prose.pct(fu['GPU busy'])}): the CPU needs "
+        f"{fe['host enqueue median (ms)']:.1f} and {fu['host enqueue median (ms)']:.1f} ms to issue them, so the wall-time "
+        f"ratio also depends on the host. **The fix for a memory-bound step is fewer passes over memory**, and fewer "
+        f"passes also mean fewer launches.")
+
+
+if prof.on_gpu:
     try:
         sheet = flops.peak_bandwidth_gb_s(torch.cuda.get_device_name()) * 1e9 / GIB
-        sheet_txt = f", {copy_kbw / sheet:.0%} of the datasheet's {sheet:,.0f} GiB/s"
     except ValueError:  # a GPU without a datasheet entry
-        sheet_txt = ""
-    display(Markdown(
-        f"The copy streams {copy_bw:,.0f} GiB/s by wall time and {copy_kbw:,.0f} GiB/s by kernel time{sheet_txt} (bytes "
-        f"read plus bytes written). GeLU reaches {kern_bw['GeLU (16-bit)'] / copy_kbw:.0%} of the copy's kernel-time rate: "
-        f"an element-wise kernel is as fast as memory lets it be, and its FLOPs do not matter.\n\n"
-        f"The fused AdamW step takes {fu['wall median (ms)']:.1f} ms with {int(fu['GPU ops per call'])} GPU operations; "
-        f"`foreach` takes {fe['wall median (ms)']:.1f} ms with {int(fe['GPU ops per call'])}: fused is "
-        f"{cmp['speed-up']:.1f} times as fast ({cmp['difference']}). Two things are going on. On the GPU, the fused "
-        f"kernels move the 28 bytes per parameter at {kern_bw['AdamW step (fused)']:,.0f} GiB/s of kernel time "
-        f"({kern_bw['AdamW step (fused)'] / copy_kbw:.0%} of the copy's), while `foreach`'s kernels reach an *effective* "
-        f"{kern_bw['AdamW step (foreach)']:,.0f} GiB/s, because they read and write the states several times: "
-        f"{fe['GPU kernel time (ms)']:.1f} ms of kernel time against {fu['GPU kernel time (ms)']:.1f}. And neither "
-        f"keeps the GPU fully busy ({fe['GPU busy']:.0%} and {fu['GPU busy']:.0%}): the CPU needs "
-        f"{fe['host enqueue median (ms)']:.1f} and {fu['host enqueue median (ms)']:.1f} ms to issue them. "
-        f"**The fix for a memory-bound step is fewer passes over memory**, and fewer passes also mean fewer launches."
-    ))
+        sheet = None
+    prose.say(bandwidth_text(bw_table, adam_cmp, sheet))
 else:
     print("skipped on CPU: bandwidth numbers need a GPU")
 
@@ -805,7 +953,6 @@ if prof.on_gpu:
         ceiling_rows[f"GEMM kernels inside bert-large, batch {big_bert[1]}, by kernel time"] = gemm_flop / gemm_s / 1e12
         del meta
     ceiling = pd.Series(ceiling_rows, name="TFLOP/s").to_frame()
-    glue("gemm_in_model_tflops", ceiling_rows.get(f"GEMM kernels inside bert-large, batch {big_bert[1]}, by kernel time", float("nan")))
     display(ceiling)
 else:
     print("skipped on CPU: tensor-core rates need a GPU")
@@ -826,7 +973,7 @@ if prof.on_gpu and len(ceiling_rows) >= 2:
                  f"(section 8.2's table) and the optimizer. When a step is GPU-bound and its time is in GEMMs, the "
                  f"remaining levers are less arithmetic (no recomputation, chapter 4), lower precision (chapter 5) and "
                  f"shapes the tensor cores like (chapter 5).")
-    display(Markdown(text))
+    prose.say(text)
 
 # %% [markdown]
 # ## 8.4 Memory over time
@@ -844,7 +991,7 @@ snap = None
 if profiles.cuda_or_skip("the allocator's history is CUDA-only"):
     snap_bs = SETUPS["bert-large-uncased"]["batches"][0]
     model, optimizer = build("bert-large-uncased")
-    step = make_step(model, optimizer, make_batch("bert-large-uncased", snap_bs))
+    step = steps.make_step(model, optimizer, batch_of("bert-large-uncased", snap_bs), amp=AMP_STEP)
     step()  # AdamW creates its states in the first step: record a later one
     torch.cuda.reset_peak_memory_stats()
     with memsnap.record() as snap:
@@ -875,7 +1022,7 @@ if snap is not None:
     others = {c: at_peak[c] / GIB for c in ("forward", "backward", "optimizer") if at_peak[c] > 0}
     timeline_df = memsnap.timeline(snap)
     opt_max = timeline_df["optimizer"].max() / GIB
-    display(Markdown(
+    prose.say(
         f"Here the peak, {at_peak['total'] / GIB:.2f} GiB, is reached by an allocation of the **{origin_at_peak}** "
         f"phase; at that moment the step holds "
         + ", ".join(f"{v:.2f} GiB from the {k}" for k, v in others.items())
@@ -884,7 +1031,7 @@ if snap is not None:
         f"optimizer's temporaries reach {opt_max:.2f} GiB at their highest. Which of the two spikes is higher depends "
         f"on the batch and the model: activations grow with the batch, the optimizer's temporaries do not (chapter 1 "
         f"found the peak in the backward pass for bert-large and at the optimizer step for the 1.3B model)."
-    ))
+    )
 
 # %% [markdown]
 # **Finding a leak.** A common bug: a forward hook that stores each layer's output "for analysis" and is
@@ -911,12 +1058,12 @@ if snap is not None:
     growth = np.diff(list(after_step_mib.values()))
     leaks = memsnap.survivors(leak_rec, top=3)
     (top_in, top_from), top_row = leaks.index[0], leaks.iloc[0]
-    display(Markdown(
+    prose.say(
         f"Allocated memory grows by {growth.mean():.0f} MiB per step. The largest survivors, {top_row['allocations']:.0f} "
         f"allocations and {top_row['MiB']:.0f} MiB, were made in `{top_in}` called from `{top_from}`: "
         f"{top_row['allocations'] / 3:.0f} tensors per step, one per layer. Something keeps every layer's output "
         f"alive: the hook. Removing the hooks and the list gives the memory back:"
-    ))
+    )
 
 # %%
 if snap is not None:
@@ -966,12 +1113,12 @@ if snap is not None:
 # %% tags=["remove-input"]
 if oom_message:
     o = oom_numbers
-    display(Markdown(
+    prose.say(
         f"Here: the cap was {o['cap (GiB)']:.2f} GiB, {o['allocated before the request (GiB)']:.2f} GiB were allocated, "
         f"so at most {o['cap (GiB)'] - o['allocated before the request (GiB)']:.2f} GiB were left for a request of "
         f"{o['request (GiB)']:.0f} GiB. The difference between the process's memory in use and PyTorch's reserved "
         f"memory in the message is the CUDA context and the libraries' own memory, which PyTorch's allocator never sees."
-    ))
+    )
 
 # %%
 if snap is not None:
@@ -992,20 +1139,23 @@ if snap is not None:
 #
 # `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` changes the allocator's strategy: instead of many
 # separately allocated segments, it reserves a large virtual address range per stream and maps physical
-# memory into it in 2 MiB pages as needed, so a segment grows by pages and freed pages can be unmapped. It
-# must be set before CUDA starts, so we run the same workload twice in fresh processes
-# (`scripts/alloc_churn.py`): bert-large, batch 8, a random length between 32 and 512 tokens each step,
-# 40 steps.
+# memory into it as needed, in pages of 20 MiB for large blocks (2 MiB for small ones), so a segment grows by
+# pages and freed pages can be unmapped. It must be set before CUDA starts, so we run the same workload twice
+# in fresh processes (`scripts/alloc_churn.py`, next to this notebook in the book's repository): bert-large,
+# batch 8, a random length between 32 and 512 tokens each step, 40 steps.
 
 # %%
 churn = {}
-if profiles.cuda_or_skip("the caching allocator is CUDA's"):
+CHURN_SCRIPT = Path("scripts/alloc_churn.py")
+if not CHURN_SCRIPT.exists() and prof.on_gpu:  # e.g. Colab, where only the helpers package is installed
+    print(f"skipped: {CHURN_SCRIPT} is not here (run the notebook from the book's notebooks/ folder to see this part)")
+elif profiles.cuda_or_skip("the caching allocator is CUDA's"):
     for label, conf in (("default", ""), ("expandable_segments", "expandable_segments:True")):
         out = TRACES / f"churn_{label}.json"
         env_vars = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
         if conf:
             env_vars["PYTORCH_CUDA_ALLOC_CONF"] = conf
-        proc = subprocess.run([sys.executable, "scripts/alloc_churn.py", "--out", str(out)], env=env_vars,
+        proc = subprocess.run([sys.executable, str(CHURN_SCRIPT), "--out", str(out)], env=env_vars,
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"alloc_churn.py failed:\n{proc.stderr[-3000:]}")
@@ -1019,9 +1169,9 @@ if churn:
     slack = {k: (df["reserved_mib"].max() - df["peak_allocated_mib"].max()) / 1024 for k, df in d.items()}
     fig, ax = plt.subplots(figsize=(9, 4))
     for i, (label, result) in enumerate(churn.items()):
-        steps = pd.DataFrame(result["steps"])
-        ax.plot(steps["step"], steps["reserved_mib"] / 1024, "-", color=f"C{i}", label=f"reserved, {label}")
-        ax.plot(steps["step"], steps["peak_allocated_mib"] / 1024, ":", color=f"C{i}",
+        steps_df = pd.DataFrame(result["steps"])
+        ax.plot(steps_df["step"], steps_df["reserved_mib"] / 1024, "-", color=f"C{i}", label=f"reserved, {label}")
+        ax.plot(steps_df["step"], steps_df["peak_allocated_mib"] / 1024, ":", color=f"C{i}",
                 label=f"peak allocated, {label}")
     ax.set_xlabel("training step (random sequence length each step)")
     ax.set_ylabel("memory (GiB)")
@@ -1032,41 +1182,57 @@ if churn:
     fig.tight_layout()
 
 # %% tags=["remove-input"]
-if churn:
-    glue("churn_reserved_default_gib", d["default"]["reserved_mib"].max() / 1024)
-    glue("churn_reserved_expandable_gib", d["expandable_segments"]["reserved_mib"].max() / 1024)
-    display(Markdown(
+def churn_text(d, counters, slack):
+    """The two allocators on the same random-length steps (``d``: per-step frames, ``counters``: the table)."""
+    retries = counters.loc["retries after flushing the cache (num_alloc_retries)"]
+    split_mib = counters.loc["inactive split blocks at the end (MiB)", "default"]
+    if retries.max() == 0:
+        retry_txt = (f"No step ran out of memory, so the allocator never had to retry (both retry counters are 0); on a "
+                     f"full card the default allocator's slack would have been given back at the price of retries, and "
+                     f"its {split_mib:.0f} MiB of inactive split blocks could not.")
+    else:
+        retry_txt = (f"This card filled up: the allocator flushed its cache and retried {retries['default']:.0f} times "
+                     f"by default and {retries['expandable_segments']:.0f} times with expandable segments, each time "
+                     f"paying synchronising `cudaFree` and `cudaMalloc` calls; the default allocator still ended with "
+                     f"{split_mib:.0f} MiB of inactive split blocks that no flush can give back.")
+    return (
         f"The steps needed at most {d['default']['peak_allocated_mib'].max() / 1024:.2f} GiB by default and "
         f"{d['expandable_segments']['peak_allocated_mib'].max() / 1024:.2f} GiB with expandable segments. The tensors "
         f"are the same; the small difference is rounding, since *allocated* counts the blocks the allocator hands out, "
         f"and a block cut from a cached segment can be larger than the request. With the default allocator, reserved "
         f"memory ended {slack['default']:.2f} GiB above the largest peak, after "
         f"{counters.loc['device allocations (num_device_alloc)', 'default']:.0f} device allocations; with "
-        f"`expandable_segments` the slack was {slack['expandable_segments']:.2f} GiB. On this large card no step ran out, "
-        f"so the allocator never had to retry (both retry counters are "
-        f"{counters.loc['retries after flushing the cache (num_alloc_retries)'].max():.0f}); on a full card the default "
-        f"allocator's slack would have been given back at the price of retries, and its "
-        f"{counters.loc['inactive split blocks at the end (MiB)', 'default']:.0f} MiB of inactive split blocks could "
-        f"not. (With expandable segments the counters mean slightly different things: memory is mapped in pages "
-        f"into a growing range, not allocated as segments.)"
-    ))
+        f"`expandable_segments` the slack was {slack['expandable_segments']:.2f} GiB, what is left of the 20 MiB pages "
+        f"that the large blocks are mapped in. {retry_txt} (With expandable segments the counters mean slightly "
+        f"different things: memory is mapped in pages into a growing range, not allocated as segments.)")
+
+
+if churn:
+    prose.say(churn_text(d, counters, slack))
 
 # %% [markdown]
 # **`empty_cache`** hands the cached blocks back to the driver. It does not free a single tensor, and the
-# next step has to `cudaMalloc` everything again. Its cost, on bert-large at the larger batch:
+# next step has to `cudaMalloc` everything again. Its cost, on bert-large at the larger batch, timed
+# interleaved against the plain step; since the price is paid by the step *after* the call, every sample of
+# the plain step starts from a warm cache and every sample of the other side from an empty one, as in their
+# own training loops:
 
 # %%
 def time_empty_cache(batch_size):
-    """The bert-large step timed as it is and followed by ``torch.cuda.empty_cache()``."""
+    """The bert-large step against the step followed by ``torch.cuda.empty_cache()``, interleaved.
+
+    Emptying the cache costs the *next* step, which must ``cudaMalloc`` its blocks again. So each sample of the
+    plain step starts from a warm cache (one untimed step before it), and each sample of the other side from an
+    empty one (``empty_cache`` before it): every sample is what that side's training loop would see."""
     model, optimizer = build("bert-large-uncased")
-    step = make_step(model, optimizer, make_batch("bert-large-uncased", batch_size))
+    step = steps.make_step(model, optimizer, batch_of("bert-large-uncased", batch_size), amp=AMP_STEP)
 
     def step_and_empty():
         step()
         torch.cuda.empty_cache()
 
-    return {"step": timing.time_it(step, device=dev, busy=False),
-            "step + empty_cache": timing.time_it(step_and_empty, device=dev, busy=False)}
+    return timing.interleaved(step, step_and_empty, device=dev, names=("step", "step + empty_cache"), busy=False,
+                              setup_a=step, setup_b=torch.cuda.empty_cache)
 
 
 ec = None
@@ -1078,20 +1244,18 @@ if profiles.cuda_or_skip("empty_cache only matters on a GPU"):
             break
         print(f"batch {bs_ec}: out of memory ({attempt.error})")
     if ec:
-        ec_table = pd.DataFrame({k: t.summary() for k, t in ec.items()}).T
-        ec_table["vs step"] = pd.Series({k: f"{v['speed-up']:.2f}x, {v['difference']}"
-                                         for k, v in timing.compare(ec, "step").items()})
-        display(ec_table[["wall median (ms)", "wall IQR (ms)", "vs step"]].rename_axis(f"bert-large, batch {bs_ec}"))
+        display(pd.Series(ec.row(), name=f"bert-large, batch {bs_ec}").to_frame())
 
 # %% tags=["remove-input"]
 if ec:
-    extra_ms = (ec["step + empty_cache"].wall.median - ec["step"].wall.median) * 1e3
-    display(Markdown(
-        f"Emptying the cache after every step costs {extra_ms:+.0f} ms per step here "
-        f"({timing.compare(ec, 'step')['step + empty_cache']['difference']}): every block of the next step is "
-        f"`cudaMalloc`ed again, and `empty_cache`'s own `cudaFree` calls synchronise the device. Use it when another process must "
-        f"get the memory, not as a habit inside a training loop."
-    ))
+    extra_ms = (ec.b.wall.median - ec.a.wall.median) * 1e3
+    prose.say(
+        f"Emptying the cache after every step takes the step from {prose.ms(ec.a.wall.median)} to "
+        f"{prose.ms(ec.b.wall.median)} ({extra_ms:+.0f} ms; interleaved, it runs at "
+        f"{ec.phrase(what='than the plain step')}): every block of the next step is `cudaMalloc`ed again, and `empty_cache`'s own `cudaFree` "
+        f"calls synchronise the device. Use it when another process must get the memory, not as a habit inside a "
+        f"training loop."
+    )
 
 # %% [markdown]
 # ## 8.6 Tools beyond PyTorch
@@ -1131,9 +1295,13 @@ pd.Series({tool: "found" if shutil.which(tool) else "not on PATH" for tool in ("
 #
 # - Time GPU code with `synchronize` or CUDA events, after a warm-up, at least ten times, and quote the
 #   spread. A clock without `synchronize` measures the CPU's queueing; a first call measures start-up.
+# - Compare two versions interleaved (A, B, B, A, ... for at least ten rounds): the median per-round ratio
+#   with its 95% interval, and "faster" or "slower" only when the whole interval lies beyond ±3%. Two
+#   separate blocks of samples absorb the host's drift between them and can call identical work faster.
 # - The GPU-busy fraction and the host-enqueue time tell *why* a step takes its time. A step whose GPU
-#   waits for Python and the dispatcher is **host-bound**; that, not inefficient kernels, is why chapter 3's
-#   step time was flat in the batch size (the verdicts of this run are below).
+#   waits for Python and the dispatcher is **host-bound**; where chapter 3's step time was flat in the batch
+#   size, this is why. Which steps are host-bound depends on the CPU as much as on the GPU: the µs per
+#   launch of this run are in sections 8.2 and 8.3, and the verdicts below.
 # - Fixes by regime: host-bound → larger batch, CUDA graphs (or `torch.compile`, chapter 9);
 #   memory-bound → fused kernels (fused AdamW); compute-bound → less arithmetic, lower precision, better
 #   shapes.
@@ -1142,10 +1310,10 @@ pd.Series({tool: "found" if shutil.which(tool) else "not on PATH" for tool in ("
 
 # %% tags=["remove-input"]
 if prof.on_gpu and len(step_table.dropna(subset=["GPU busy"])):
-    lines = [f"- {m}, batch {b}: GPU busy {row['GPU busy']:.0%}, "
-             f"*{timing.verdict(row['GPU busy'], row['host enqueue (ms)'] / row['wall median (ms)'])}*"
+    lines = [f"- {m}, batch {b}: GPU busy {row['GPU busy']:.0%}, {row['host µs per GPU op']:.0f} µs of host time per GPU "
+             f"operation, *{timing.verdict(row['GPU busy'], row['host enqueue (ms)'] / row['wall median (ms)'])}*"
              for (m, b), row in step_table.dropna(subset=["GPU busy"]).iterrows()]
-    display(Markdown("Verdicts of this run (section 8.2, bf16 autocast where the GPU supports it):\n\n" + "\n".join(lines)))
+    prose.say(f"Verdicts of this run (section 8.2, {str(AMP).removeprefix('torch.')} autocast):\n\n" + "\n".join(lines))
 else:
     print("skipped on CPU: the verdicts need a GPU")
 
@@ -1159,7 +1327,8 @@ else:
 #    printing, `nonzero`) and data-loading waits.
 # 3. If the GPU is busy, read the category table. GEMM-dominated: compare with the matmul ceiling,
 #    then precision and shapes. Element-wise or optimizer-dominated: fuse.
-# 4. Check the result: the difference must be larger than the spread.
+# 4. Check the result: time the change against the old version interleaved (`timing.interleaved`), and
+#    call it faster only when the whole 95% interval of the speed-up lies above 1.03.
 #
 # ### Use it in your own script
 #
@@ -1177,8 +1346,7 @@ else:
 #             loss.backward()
 #         with record_function("optimizer"):
 #             optimizer.step(); optimizer.zero_grad(set_to_none=True)
-#         torch.cuda.synchronize()
-#         prof.step()
+#         prof.step()  # no synchronize here: it would hide the CPU/GPU overlap the trace should show
 # print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=15))
 # ```
 #
@@ -1188,10 +1356,10 @@ else:
 #    does the GPU-busy fraction pass 80%?
 #    <details><summary>Hint</summary>In <code>ch3_step</code>, build
 #    <code>models.build("bert-large-uncased", head="sequence-classification", dtype=torch.float16)</code> and take
-#    its batch from <code>make_batch("bert-large-uncased", batch_size)</code> (512 tokens); keep the rest.
+#    its batch from <code>batch_of("bert-large-uncased", batch_size)</code> (512 tokens); keep the rest.
 #    </details>
 #    <details><summary>Answer</summary>Expect the crossover between the two bert-large batch sizes of section
-#    8.2 (one host-bound, the other GPU-bound there, with bf16 autocast). A sequence of bert-large carries twice
+#    8.2 (one host-bound, the other GPU-bound there, with 16-bit autocast). A sequence of bert-large carries twice
 #    the tokens of the sweep's, but its model is a quarter of the size, so its GPU work per sequence is lower
 #    and the crossover comes at a similar or larger batch. On a slower GPU such as a T4 the same work takes
 #    the GPU longer while the CPU's share stays the same, so the crossover comes at a smaller batch.</details>
@@ -1234,10 +1402,15 @@ else:
 # %%
 if prof.on_gpu:  # releases the workspaces, then asserts that allocated memory is back at the start
     rows = cleanup.back_at_baseline(baseline_mib)
-    rows["of which in CUDA-graph private pools (MiB)"] = sum(
+    in_pools_mib = sum(
         b["size"] for seg in torch.cuda.memory._snapshot()["segments"]
         if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)
         for b in seg["blocks"] if b["state"] == "active_allocated") / MIB
-    display(pd.Series(rows).to_frame("value"))
+    end_rows = {}
+    for k, v in rows.items():  # the pools row goes right below the row it is a part of
+        end_rows[k] = v
+        if k == "allocated at the end (MiB)":
+            end_rows["of which in CUDA-graph private pools at the end (MiB)"] = in_pools_mib
+    display(pd.Series(end_rows).to_frame("value"))
 else:
     print("skipped on CPU: no GPU memory to check")
