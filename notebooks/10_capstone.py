@@ -899,7 +899,7 @@ def ladder_sentences(name, table, timed, notes, best, goal):
         text += (f" On {prose.listing(f'*{m}*' for m in low)} one side of the rounds kept the GPU busy less than 90% "
                  f"of its step: part of that step waits on the CPU's launches, so the ratio there depends on the host "
                  f"as well as on the GPU.")
-    else:
+    elif comps:
         text += " Both sides of every judged rung kept the GPU busy at least 90% of their steps."
     c = notes["compile"]
     if isinstance(c, dict):
