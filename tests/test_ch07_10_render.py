@@ -89,10 +89,10 @@ def _ladder(rng, busy0, kept):
                                   "MFU vs matmul ceiling (%)": 4.0 + 7 * i, "MFU, 6N only (%)": 2.5 + 5 * i,
                                   "MFU, causal attention at half (%)": 2.8 + 5 * i,
                                   "GPU-time speed-up per sample": np.nan if i == 0 else 1.1 * i}
-                          for i, (label, b) in enumerate(zip(labels, [4, 32, 32, 32, 32, 64, 64]))}).T
+                          for i, (label, b) in enumerate(zip(labels, [4, 32, 32, 32, 32, 64, 64], strict=True))}).T
     notes = {"model": "bert-large-uncased", "vanilla": ts[0], "comparisons": comps, "ladder_batch": 32,
              "compile": {"kept": kept, "first_step_s": 14.2, "comparison": comps[labels[6]]}}
-    return labels, table, dict(zip(labels, ts)), notes
+    return labels, table, dict(zip(labels, ts, strict=True)), notes
 
 
 def test_ch10_ladder_sentences_every_branch():
