@@ -1090,9 +1090,9 @@ if recipe_run is not None:
 # |---|---|---|---|
 # | every phase | weights, gradients, optimizer states (16 bytes per parameter with AdamW) | 8-bit or factored optimizer states; LoRA, QLoRA; ZeRO/FSDP across GPUs | [5](05_mixed_precision_optimizers.ipynb), [6](06_lora_qlora.ipynb), [7](07_distributed_zero.ipynb) |
 # | the forward or backward pass | activations (grow with batch × sequence) | SDPA attention; a smaller micro-batch with accumulation; checkpointing | [1](01_memory_anatomy.ipynb), [3](03_batch_size_grad_accumulation.ipynb), [4](04_gradient_checkpointing.ipynb) |
-# | the optimizer step | the optimizer's temporaries on top of the gradients | fused or 8-bit AdamW; free the gradients (`set_to_none=True`) | [5](05_mixed_precision_optimizers.ipynb), [8](08_profiling.ipynb) |
+# | the optimizer step | the optimizer's temporaries on top of the gradients | fused or 8-bit AdamW; the optimizer step inside backward (a `register_post_accumulate_grad_hook` per parameter, PyTorch's tutorial), so each gradient is freed as soon as it is used | [5](05_mixed_precision_optimizers.ipynb), [8](08_profiling.ipynb) |
 # | nowhere clear: reserved ≫ allocated | fragmentation, variable shapes | `expandable_segments`; fixed or bucketed lengths | [8](08_profiling.ipynb) |
-# | the loss (language models) | logits of a large vocabulary, and their fp32 gradients | a smaller micro-batch with accumulation | [3](03_batch_size_grad_accumulation.ipynb), [4](04_gradient_checkpointing.ipynb) |
+# | the loss (language models) | logits of a large vocabulary, and their fp32 gradients | a chunked or fused linear cross-entropy (Liger, Cut Cross-Entropy), or a smaller micro-batch with accumulation | [3](03_batch_size_grad_accumulation.ipynb), [4](04_gradient_checkpointing.ipynb) |
 #
 # **Slow?** Time it properly first (≥ 10 steps, the spread), then read the GPU-busy fraction:
 #
@@ -1126,7 +1126,8 @@ if recipe_run is not None:
 # import torch
 # from transformers import AutoModelForCausalLM
 #
-# model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="sdpa").cuda()  # fp32 master weights
+# model = AutoModelForCausalLM.from_pretrained(  # transformers 5 loads the checkpoint's dtype unless told:
+#     name, dtype=torch.float32, attn_implementation="sdpa").cuda().train()  # fp32 master weights, dropout on
 # model.config.use_cache = False          # no generation cache in training (section 10.2)
 # optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5, fused=True)
 # for layer in model.model.layers:        # regional compilation (Llama-style; GPT-NeoX: model.gpt_neox.layers)
