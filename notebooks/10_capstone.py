@@ -539,7 +539,8 @@ def set_attention(model, kind):
 
 def rung_step(model, name, rung, optimizers):
     """One rung's step and its switch (the attention kernel, set before each call). Rungs with the same optimizer
-    share it: two AdamW objects on one model hold two sets of states, which only the optimizer rung needs."""
+    share it: two AdamW objects on one model hold two sets of states, which only the optimizer rung needs (``judge``
+    drops the rung before's once its rounds are over)."""
     if rung["optimizer"] not in optimizers:
         optimizers[rung["optimizer"]] = make_optimizer(model, rung["optimizer"])
     cfg = LADDER[name]
@@ -569,6 +570,9 @@ def judge(model, name, prev, cur, optimizers, stances=None):
         sb = lambda f=sb: (f(), torch.compiler.set_stance(stances[1]))  # noqa: E731
     c = timing.interleaved(fa, fb, device=dev, names=("rung before", "this rung"), rounds=ROUNDS, warmup=WARMUP,
                            profile_steps=1, setup_a=sa, setup_b=sb)
+    del fa
+    for kind in [k for k in optimizers if k != cur["optimizer"]]:
+        del optimizers[kind]  # the rung before's optimizer and its states are not part of this rung's peak
     return timing.per_sample(c, prev["batch"], cur["batch"]), steady_peak_gib(fb, sb)
 
 # %% [markdown]
@@ -725,8 +729,6 @@ def climb(name, compile_min_s):
                           ("4 + SDPA attention", dict(attention="sdpa")),
                           (f"5 + batch {big} (the largest tried)", dict(batch=big))]:
         rung = climb_rung(model, name, label, rung, {**rung, **change}, optimizers, rows, timed, comps)
-        if label.startswith("2 ") and rung["optimizer"] == "fused":
-            optimizers.pop("for-loop", None)  # its states are no longer needed: room for the larger batches
     notes = {"model": name, "padding": padding_check(model, name), "matmul_params": flops.matmul_params(model),
              "vanilla": t0, "comparisons": comps, "ladder_batch": cfg["ladder_batch"]}
     lookup_only = ("" if "vocabulary" in matmul_dims(model, name) else
@@ -881,7 +883,11 @@ def ladder_sentences(name, table, timed, notes, best, goal):
     b0, us = int(first["batch"]), timing.us_per_launch(t0)
     launches = (f": its {t0.kernels_per_call:,} kernel launches per step cost this machine's CPU {us:.0f} µs each, "
                 f"so a reader's CPU decides much of this rung's time" if us else "")
-    if t0.gpu_busy is not None and t0.gpu_busy < 0.9:
+    if not any(k.startswith("1 ") for k in comps):
+        text += (f"\n\nRung 1's batch of {notes['ladder_batch']} did not fit this GPU, so the later rungs are judged "
+                 f"at the guide's batch of {b0}, where the vanilla step keeps the GPU busy {busy_pct(t0)} of its "
+                 f"step{launches}.")
+    elif t0.gpu_busy is not None and t0.gpu_busy < 0.9:
         text += (f"\n\nAt the guide's batch of {b0} the vanilla step keeps the GPU busy only {busy_pct(t0)} of its "
                  f"step{launches}. That is why rung 1 raises the batch to {notes['ladder_batch']} first.")
     else:

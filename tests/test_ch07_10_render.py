@@ -113,4 +113,5 @@ def test_ch10_ladder_sentences_every_branch():
     notes["comparisons"] = {}
     text = ns["ladder_sentences"]("x", table.iloc[:1], {labels[0]: timed[labels[0]]}, notes, labels[0], 35)
     assert "Both sides of every judged rung" not in text and "Rung by rung" in text
+    assert "Rung 1's batch of 32 did not fit this GPU" in text
     assert ns["climb_product"]({}, labels[0]) == (1.0, 1.0, 1.0)
