@@ -624,3 +624,81 @@ def within_threshold(c: Comparison) -> bool:
     Introduced in chapter 8, section 8.1.
     """
     return 1.0 / (1.0 + c.threshold) < c.lo and c.hi < 1.0 + c.threshold
+
+
+def per_sample(c: Comparison, batch_a: int, batch_b: int) -> Comparison:
+    """``c`` restated per sample, for two sides that train different batch sizes (a batch-size rung).
+
+    Each round's speed-up becomes (a's time / ``batch_a``) over (b's time / ``batch_b``), so above 1 means b
+    trains more samples per second; the interval and the verdict follow from the scaled rounds by the same rule.
+    ``c.a``/``c.b`` keep their per-call times.
+
+    >>> per_sample(timing.interleaved(step_b4, step_b32, device="cuda"), 4, 32).phrase()
+
+    Introduced in chapter 10, section 10.3.
+    """
+    if batch_a < 1 or batch_b < 1:
+        raise ValueError(f"batch sizes must be >= 1, got {batch_a} and {batch_b}")
+    scale = batch_b / batch_a
+    gpu = tuple(r * scale for r in c.gpu_ratios) if c.gpu_ratios else c.gpu_ratios
+    return Comparison(c.a_name, c.b_name, c.a, c.b, tuple(r * scale for r in c.ratios), gpu, c.threshold)
+
+
+# Two separate launches (processes started one after the other) differ by more than the spread of the steps
+# inside either: GPU clocks, the host's other work, NCCL's setup. The steps of one launch cannot show it.
+LAUNCH_THRESHOLD = 0.10
+
+
+@dataclass(frozen=True)
+class Unpaired:
+    """Two sets of step times that could not be interleaved (two separate launches), compared by their medians.
+
+    ``ratio`` is median(a) / median(b), so above 1 means b's steps are shorter (the convention of
+    ``Comparison.speedup``). ``lo``/``hi`` bound it by the order-statistics intervals of the two medians, each
+    at 97.5% so that both hold together with at least 95% probability: ``lo`` = a's low / b's high, ``hi`` = a's
+    high / b's low. That interval covers the spread of the steps *within* each launch only; the verdict asks the
+    whole interval to lie beyond ``threshold`` (``LAUNCH_THRESHOLD``, 10%, not the 3% of an interleaved
+    comparison), a margin for what changes from one launch to the next.
+
+    Introduced in chapter 7, section 7.4.
+    """
+
+    a_name: str
+    b_name: str
+    a: Spread
+    b: Spread
+    ratio: float
+    lo: float
+    hi: float
+    threshold: float = LAUNCH_THRESHOLD
+
+    @property
+    def verdict(self) -> str:
+        """``"faster"``/``"slower"`` (b against a) only beyond ``threshold``, else ``NO_DIFFERENCE``."""
+        return ratio_verdict(self.lo, self.hi, self.threshold)
+
+    def phrase(self) -> str:
+        """``"0.93× (interval 0.91–0.95×)"``: the ratio of medians with its interval."""
+        return f"{_fmt_ratio(self.ratio)}× (interval {_fmt_ratio(self.lo)}–{_fmt_ratio(self.hi)}×)"
+
+
+def unpaired(a: tuple[float, ...] | list[float], b: tuple[float, ...] | list[float], *,
+             names: tuple[str, str] = ("a", "b"), threshold: float = LAUNCH_THRESHOLD) -> Unpaired:
+    """Compare two separate blocks of samples (seconds) that no interleaving could pair (see ``Unpaired``).
+
+    Needs at least 8 samples on each side (the 97.5% order-statistics interval of a median).
+
+    >>> unpaired(steps_1gpu, steps_2gpu, names=("1 GPU", "2 GPUs")).phrase()
+
+    Introduced in chapter 7, section 7.4.
+    """
+    if threshold < 0:
+        raise ValueError(f"threshold must be >= 0, got {threshold}")
+    if len(a) < 8 or len(b) < 8:
+        raise ValueError(f"unpaired() needs at least 8 samples per side, got {len(a)} and {len(b)}")
+    if min(a) <= 0 or min(b) <= 0:
+        raise ValueError("unpaired() needs positive times")
+    a_lo, a_hi = median_interval(a, 0.975)
+    b_lo, b_hi = median_interval(b, 0.975)
+    return Unpaired(names[0], names[1], Spread.of(tuple(a)), Spread.of(tuple(b)),
+                    statistics.median(a) / statistics.median(b), a_lo / b_hi, a_hi / b_lo, threshold)

@@ -25,7 +25,7 @@
 # tool, a **memory planner** that predicts the peak of a training step term by term, and then does what
 # the others do not: it measures every prediction on the GPU and publishes the error. The second half
 # climbs a **speed ladder**, one measured rung at a time, from the Hugging Face guide's plain setup to
-# the fastest recipe the book can build, on bert-large and on the 1.3B GPT-NeoX model, and ends with a
+# the fastest recipe of this ladder, on bert-large and on the 1.3B GPT-NeoX model, and ends with a
 # recipe for fine-tuning the 1.3B model on Colab's free T4.
 #
 # **What you will learn**
@@ -63,10 +63,8 @@ import numpy as np
 import pandas as pd
 import torch
 from IPython.display import Markdown, display
-from torch.profiler import record_function
 
-from helpers import batching, cleanup, data, flops, measure, models, plan, plots, profiles, timing
-from helpers.glue import glue
+from helpers import batching, cleanup, flops, measure, models, plan, plots, profiles, prose, steps, timing
 from helpers.measure import GIB, MIB
 
 plots.use_style()
@@ -84,7 +82,8 @@ env.report(prof)
 
 # %%
 chapter_start = time.perf_counter()
-CHAPTER_BUDGET_S = prof.pick(tiny=600.0, full=340.0)
+CHAPTER_BUDGET_S = prof.pick(tiny=600.0, full=620.0)
+LADDER_RESERVE_S = prof.pick(tiny=150.0, full=400.0)  # section 10.3's speed ladder, its two compile rungs included
 
 
 def one_line(err):
@@ -194,7 +193,7 @@ for i, setup in enumerate(validation_setups, 1):
     row = {"setup": setup.label(), "predicted peak (GiB)": predicted.peak_gib, "predicted phase": predicted.peak_phase}
     if not prof.on_gpu:
         measured = {"status": "not measured (CPU)"}
-    elif seconds_left() < 150:  # leave the time the speed ladder needs
+    elif seconds_left() < LADDER_RESERVE_S:  # leave the time the speed ladder needs
         measured = {"status": "not measured (time budget)"}
     else:
         try:
@@ -236,8 +235,6 @@ error_summary["max |error|, full-parameter Adam rows (%)"] = errors[in_domain_ok
 error_summary["full-parameter Adam rows measured"] = in_domain_ok.sum()
 planner_median_err_pct = float(error_summary.loc["the planner", "median |error| (%)"])
 planner_max_err_pct = float(error_summary.loc["the planner", "max |error| (%)"])
-glue("planner_median_err_pct", planner_median_err_pct)
-glue("planner_max_err_pct", planner_max_err_pct)
 error_summary
 
 # %%
@@ -438,18 +435,23 @@ term_table if len(worst_rows) else print("skipped on CPU: no measured rows")
 # versions default to fused AdamW with torch 2.8 or newer: two rungs of this ladder. We add the book's
 # techniques **one at a time, keeping each**, on the same model in the same run:
 #
-# 1. SDPA attention (chapter 1): one fused attention kernel, no stored s × s matrix;
-# 2. 16-bit autocast (chapter 5): matrix products on the tensor cores;
-# 3. fused AdamW (chapters 5 and 8): the optimizer step in a few kernels;
-# 4. the batch at the throughput *knee* (chapter 3): the smallest of three batch sizes whose throughput is
-#    within 5% of the best one that fits;
-# 5. padding to multiples of 8 (chapter 5), where a shape needs it;
+# 1. the batch (chapter 3): from the guide's to one large enough that the GPU, not the CPU's kernel launches,
+#    sets the step's length; every later rung is judged at this batch, where a change to the GPU's work shows;
+# 2. fused AdamW (chapters 5 and 8): the optimizer step in a few kernels;
+# 3. 16-bit autocast (chapter 5): matrix products on the tensor cores;
+# 4. SDPA attention (chapter 1): one fused attention kernel, no stored s × s matrix;
+# 5. a batch twice as large again (chapter 3), the largest the ladder tries;
 # 6. `torch.compile` (chapter 9), kept only if it is faster beyond the noise.
 #
-# Each rung is timed with `timing.time_it` (3 warm-up steps, 10 timed ones, the spread, and profiled
-# steps for the GPU-busy fraction), with the batch already on the GPU. The causal LM keeps Hugging Face's
-# default generation cache, as the guide's setup does, so the 1.3B rungs' peaks include it (section 10.2);
-# the script box at the end of the chapter turns it off.
+# A padding check (chapter 5: matrix dimensions in multiples of 8) comes with it; it needs no rung here. The
+# first rung, the guide's setup at the guide's batch, is timed on its own with `timing.time_it` (warm-up steps,
+# 10 timed ones, the spread, and profiled steps for the GPU-busy fraction). Each later rung is *compared* with
+# the one before it, interleaved in one process (`timing.interleaved`, next cells), with the batch already on the
+# GPU. The order matters: at the guide's batch a step can be host-bound, and there a rung that shrinks the GPU's
+# work may not shorten the step at all; judged at a batch that keeps the GPU busy, each rung shows what it does
+# to the GPU's work. The ladder ends with the fastest recipe *of this ladder*, not the fastest the book can build
+# (CUDA graphs, a fused cross-entropy or other attention backends are not on it). The causal LM trains without
+# Hugging Face's generation cache (`use_cache = False`), which a training step never reads (section 10.2).
 #
 # **MFU, the one convention of the book.** Model FLOPs per token are 6 × (the parameters of every matrix
 # product, the output projection included, embedding lookups excluded) + 12 · L · h · s for attention
@@ -476,7 +478,7 @@ term_table if len(worst_rows) else print("skipped on CPU: no measured rows")
 # the **measured matmul ceiling**: the rate of one large 16-bit matrix product on this GPU, which is what the
 # tensor cores really deliver. Each step is timed on its own and ends with a synchronisation, so a training
 # loop, where the CPU queues step n+1 while the GPU runs step n, can be slightly faster on a host-bound rung.
-# Peak memory is the allocator's peak over the timed steps.
+# Peak memory is the allocator's peak over one more step after the timed ones.
 
 # %%
 n_mm = prof.pick(tiny=512, full=8192)
@@ -497,108 +499,144 @@ pd.Series({
 }, name="value").to_frame()
 
 # %% [markdown]
-# The ladder's code. The step is the one of chapter 8, with its phases marked for the profiler; each rung
-# changes the attention kernel, the precision, the optimizer, the batch or the compilation, and nothing
-# else. A rung that does not fit the GPU becomes a row that says so.
+# The ladder's code. The step is the book's (`steps.make_step`: forward under autocast, backward, optimizer, with
+# its phases marked for the profiler); each rung changes the batch, the optimizer, the precision, the attention
+# kernel or the compilation, and nothing else. The causal LM's generation cache is off (`use_cache = False`):
+# training never reads it. Rung *k* is judged against rung *k* − 1 by `timing.interleaved`: the two steps run in
+# alternating rounds (10 after warm-up) on the same model, and each round gives a ratio of their times, per sample
+# where the batch changes (`timing.per_sample`). The speed-up is the median of those ratios, with its 95% interval;
+# it is "faster" only when the whole interval lies above 1.03, "slower" only when it lies below 1/1.03, else "no
+# difference beyond the noise". The two sides of a round run milliseconds apart, so a host whose speed drifts
+# moves both alike. The attention kernel belongs to the model, so each side sets its own before each sample
+# (untimed). A rung that does not fit the GPU becomes a row that says so.
 
 # %%
 LADDER = {
     "bert-large-uncased": dict(head="sequence-classification", task="classification",
                                seq_len=prof.pick(tiny=32, full=512), batch=prof.pick(tiny=2, full=4),
-                               knee=prof.pick(tiny=(2, 4, 8), full=(16, 32, 64))),
+                               ladder_batch=prof.pick(tiny=4, full=32), big_batch=prof.pick(tiny=8, full=64)),
     "polyglot-ko-1.3b": dict(head="causal-lm", task="causal-lm", seq_len=prof.pick(tiny=32, full=2048),
-                             batch=1, knee=prof.pick(tiny=(1, 2, 4), full=(2, 4, 8))),
+                             batch=1, ladder_batch=prof.pick(tiny=2, full=4), big_batch=prof.pick(tiny=4, full=8)),
 }
-REPEAT, WARMUP = 10, prof.pick(tiny=1, full=3)
-
-
-def make_batch(name, batch_size):
-    cfg = LADDER[name]
-    ds = data.dummy_dataset(batch_size, cfg["seq_len"], task=cfg["task"], seed=0)
-    return {k: v.to(dev) for k, v in ds[:].items()}
+ROUNDS, WARMUP, REPEAT = 10, prof.pick(tiny=1, full=2), 10
 
 
 def make_optimizer(model, kind):
-    if kind == "for-loop":  # the guide's adamw_torch: one parameter at a time
+    if kind == "for-loop":  # the guide's adamw_hf stepped one parameter at a time; foreach=False does the same
         return torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=False)
     return torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
 
-def make_step(model, optimizer, batch, amp):
-    """One training step: forward under autocast (when ``amp`` is a dtype), backward, optimizer."""
-    scaler = torch.amp.GradScaler("cuda") if amp == torch.float16 else None  # fp16 needs loss scaling
-
-    def step():
-        with record_function("forward"), torch.autocast(dev, dtype=amp or torch.float32, enabled=amp is not None):
-            loss = model(**batch).loss
-        with record_function("backward"):
-            (scaler.scale(loss) if scaler else loss).backward()
-        with record_function("optimizer"):
-            if scaler:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-    return step
-
-
 def set_attention(model, kind):
     """Switch the attention kernel of a built model ("eager" or "sdpa")."""
+    if getattr(model.config, "_attn_implementation", None) == kind:
+        return
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(kind)
     else:  # older transformers: the layers read the config at each call
         model.config._attn_implementation = kind
 
 
-def time_rung(model, name, rung):
-    """Time one rung (``rung``: attention, amp, optimizer, batch); return its ``Timed`` and peak (GiB)."""
-    set_attention(model, rung["attention"])
-    step = make_step(model, make_optimizer(model, rung["optimizer"]), make_batch(name, rung["batch"]), rung["amp"])
-    if prof.on_gpu:
-        torch.cuda.reset_peak_memory_stats()
-    t = timing.time_it(step, device=dev, warmup=WARMUP, repeat=REPEAT, profile_steps=2)
-    peak_gib = torch.cuda.max_memory_allocated() / GIB if prof.on_gpu else np.nan
-    return t, peak_gib
+def rung_step(model, name, rung, optimizers):
+    """One rung's step and its switch (the attention kernel, set before each call). Rungs with the same optimizer
+    share it: two AdamW objects on one model hold two sets of states, which only the optimizer rung needs (``judge``
+    drops the rung before's once its rounds are over)."""
+    if rung["optimizer"] not in optimizers:
+        optimizers[rung["optimizer"]] = make_optimizer(model, rung["optimizer"])
+    cfg = LADDER[name]
+    batch = steps.batch_for(cfg["task"], rung["batch"], cfg["seq_len"], dev)
+    return (steps.make_step(model, optimizers[rung["optimizer"]], batch, amp=rung["amp"]),
+            lambda: set_attention(model, rung["attention"]))
+
+
+def steady_peak_gib(step, switch):
+    """The allocator's peak over one more step, after the timed ones (optimizer states exist by then)."""
+    if not prof.on_gpu:
+        return np.nan
+    switch()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / GIB
+
+
+def judge(model, name, prev, cur, optimizers, stances=None):
+    """Rung ``cur`` against rung ``prev``, interleaved, per sample; its peak (GiB) after the timed rounds.
+    ``stances``: torch.compile stances of the two sides (the compile rung runs one model compiled and not)."""
+    (fa, sa), (fb, sb) = rung_step(model, name, prev, optimizers), rung_step(model, name, cur, optimizers)
+    if stances:
+        sa = lambda f=sa: (f(), torch.compiler.set_stance(stances[0]))  # noqa: E731
+        sb = lambda f=sb: (f(), torch.compiler.set_stance(stances[1]))  # noqa: E731
+    c = timing.interleaved(fa, fb, device=dev, names=("rung before", "this rung"), rounds=ROUNDS, warmup=WARMUP,
+                           profile_steps=1, setup_a=sa, setup_b=sb)
+    del fa
+    for kind in [k for k in optimizers if k != cur["optimizer"]]:
+        del optimizers[kind]  # the rung before's optimizer and its states are not part of this rung's peak
+    return timing.per_sample(c, prev["batch"], cur["batch"]), steady_peak_gib(fb, sb)
 
 # %% [markdown]
-# One row per rung: throughput from the median synchronised step time, MFU against both ceilings (and under
-# the two other conventions), the memory and the profiler's evidence, with the GPU time (the summed kernel
-# time of a profiled step) beside the wall time. A cell that does not apply to its row (the padding check times
-# nothing; most rungs need no note) is empty: `NaN` in Jupyter, a dash on the book's site.
+# One row per rung: throughput from the median step time of the rung's side of the interleaved rounds, MFU
+# against both ceilings (and under the two other conventions), the speed-up over the rung before with its
+# interval and verdict, the memory and the profiler's evidence (the GPU-busy fraction, and the GPU time: the
+# summed kernel time of a profiled step). The table is shown in two parts: the climb, then the evidence.
 
 # %%
-def rung_row(name, model, rung, t, peak_gib):
+CLIMB_COLUMNS = ["batch", "attention", "precision", "AdamW", "compiled", "tokens/s", "MFU vs datasheet (%)",
+                 "speed-up per sample", "95% interval", "verdict"]
+EVIDENCE_COLUMNS = ["samples/s", "MFU vs matmul ceiling (%)", "MFU, 6N only (%)", "MFU, causal attention at half (%)",
+                    "peak allocated (GiB)", "GPU busy", "step median (ms)", "GPU time (ms)",
+                    "GPU-time speed-up per sample", "note"]
+
+
+def rung_row(name, model, rung, t, peak_gib, c=None, prev_batch=None):
     seq = LADDER[name]["seq_len"]
     n_params, n_layers, hidden = flops.matmul_params(model), model.config.num_hidden_layers, model.config.hidden_size
     per_token = flops.flops_per_token(n_params, n_layers, hidden, seq)  # 6N + 12·L·h·s, the book's convention
     attention = 12 * n_layers * hidden * seq
     per_token_causal = per_token - attention / 2 if LADDER[name]["head"] == "causal-lm" else per_token
     tok_s = rung["batch"] * seq / t.wall.median
+    gpu_speedup = np.nan
+    if c is not None and c.a.kernel_s and c.b.kernel_s:  # kernel time per sample, the rung before over this one
+        gpu_speedup = (c.a.kernel_s / prev_batch) / (c.b.kernel_s / rung["batch"])
     return {
         "batch": rung["batch"], "attention": rung["attention"],
         "precision": f"{AMP_NAME} autocast" if rung["amp"] else "fp32",
         "AdamW": rung["optimizer"], "compiled": rung.get("compiled", False),
-        "samples/s": rung["batch"] / t.wall.median, "tokens/s": tok_s,
+        "tokens/s": tok_s,
         "MFU vs datasheet (%)": flops.mfu(tok_s, per_token, peak_tflops) * 100 if peak_tflops else np.nan,
+        "speed-up per sample": c.speedup if c else np.nan,
+        "95% interval": f"{c.lo:.2f}–{c.hi:.2f}" if c else "",
+        "verdict": c.verdict if c else "the starting point",
+        "samples/s": rung["batch"] / t.wall.median,
         "MFU vs matmul ceiling (%)": flops.mfu(tok_s, per_token, ceiling_tflops) * 100,
         "MFU, 6N only (%)": flops.mfu(tok_s, 6 * n_params, peak_tflops) * 100 if peak_tflops else np.nan,
         "MFU, causal attention at half (%)": flops.mfu(tok_s, per_token_causal, peak_tflops) * 100 if peak_tflops else np.nan,
         "peak allocated (GiB)": peak_gib,
         "GPU busy": t.gpu_busy if t.gpu_busy is not None else np.nan,
-        "step median (ms)": t.wall.median * 1e3, "step IQR (ms)": t.wall.iqr * 1e3,
+        "step median (ms)": t.wall.median * 1e3,
         "GPU time (ms)": t.kernel_s * 1e3 if t.kernel_s is not None else np.nan,  # summed kernel time per step
-        "verdict": t.verdict,
+        "GPU-time speed-up per sample": gpu_speedup,
+        "note": "",
     }
 
+
+def show_ladder(table):
+    """The ladder in two tables: the climb (what each rung changed and bought), then the evidence."""
+    display(table.reindex(columns=CLIMB_COLUMNS))
+    display(table.reindex(columns=EVIDENCE_COLUMNS))
+
 # %% [markdown]
-# The climb, for one model: rungs 1 to 3 change one setting each; rung 4 tries three batch sizes and keeps
-# the knee; rung 5 checks the shapes; rung 6 compiles each transformer layer and is kept only when it is
-# faster beyond the noise. This is *regional* compilation, as PyTorch's tutorial on it recommends
-# ([PyTorch (2024)](../book/references.md)): the layers
-# are identical, so the code compiled for one serves all of them, and the compile time is that of one layer
-# rather than of the whole model.
+# The climb, for one model. Rung 0 is the guide's setup at the guide's batch, timed on its own: the starting
+# point. Rung 1 moves to the *ladder batch* (32 sequences for bert-large, 4 for the 1.3B model, in the full
+# profile), large enough that the GPU, not the CPU's kernel launches, sets the step's length; every later rung is
+# judged there, where a change to the GPU's work shows in the step time. Rungs 2 to 4 change one setting each:
+# fused AdamW, then 16-bit autocast, then SDPA attention. Rung 5 doubles the batch once more (the largest this
+# ladder tries, not a measured knee: a larger batch, where it fits, may be faster still). Rung 6 compiles each
+# transformer layer and is kept only when it is faster beyond the noise. This is *regional* compilation, as
+# PyTorch's tutorial on it recommends ([PyTorch (2024)](../book/references.md)): the layers are identical, so the
+# code compiled for one serves all of them, and the compile time is that of one layer rather than of the whole
+# model. Its rounds alternate the same model with compilation on and off (`torch.compiler.set_stance`).
 
 # %%
 def layers_of(model):
@@ -620,77 +658,87 @@ def padding_check(model, name):
     return {k: v for k, v in matmul_dims(model, name).items() if v % 8}
 
 
+def climb_rung(model, name, label, prev, cur, optimizers, rows, timed, comps, **kw):
+    """Judge rung ``cur`` against ``prev``; record its rows; return the rung the ladder continues from."""
+    attempt = batching.try_batch(lambda bs: judge(model, name, prev, {**cur, "batch": bs}, optimizers, **kw),
+                                 cur["batch"])
+    if not attempt.fits:
+        model.zero_grad(set_to_none=True)  # a step that ran out of memory can leave gradients behind
+        rows[label] = {"batch": cur["batch"], "verdict": "out of memory", "note": f"out of memory ({attempt.error})"}
+        return prev
+    c, peak = attempt.value
+    timed[label], comps[label] = c.b, c
+    rows[label] = rung_row(name, model, cur, c.b, peak, c, prev["batch"])
+    return cur
+
+
+def compile_rung(model, name, rung, optimizers, rows, timed, comps, notes, compile_min_s):
+    """Rung 6: compile each layer, time the first compiled step, then judge compiled against eager."""
+    if not prof.on_gpu:
+        return "skipped on CPU: torch.compile's GPU kernels (Triton) need a GPU"
+    if seconds_left() < compile_min_s:
+        return f"skipped: {seconds_left():.0f} s of the chapter's time budget left, compiling needs about {compile_min_s:.0f}"
+    torch._logging.set_logs(dynamo=logging.ERROR, inductor=logging.ERROR)  # no compiler chatter in the output
+    label = "6 + torch.compile (regional)"
+    try:
+        for layer in layers_of(model):
+            layer.compile()
+        step, switch = rung_step(model, name, rung, optimizers)
+        switch()
+        start = time.perf_counter()
+        step()  # the first compiled step: compilation happens here
+        torch.cuda.synchronize()
+        first_s = time.perf_counter() - start
+        cur = climb_rung(model, name, label, rung, {**rung, "compiled": True}, optimizers, rows, timed, comps,
+                         stances=("force_eager", "default"))
+    except Exception as err:  # a compiler error must not end the chapter: report it in one line
+        return f"torch.compile failed here: {one_line(err)}"
+    finally:
+        torch.compiler.set_stance("default")
+        torch.compiler.reset()  # drop the compiled code and its guards, which can keep the model alive
+    if not cur.get("compiled"):
+        return rows[label]["note"]
+    c = comps[label]
+    kept = c.verdict == "faster"
+    if not kept:
+        rows[f"{label}, not kept"] = rows.pop(label)
+        timed[f"{label}, not kept"], comps[f"{label}, not kept"] = timed.pop(label), comps.pop(label)
+    rows[label if kept else f"{label}, not kept"]["note"] = f"first compiled step {first_s:.0f} s"
+    return {"kept": kept, "first_step_s": first_s, "comparison": c}
+
+
 def climb(name, compile_min_s):
     cfg = LADDER[name]
     model = models.build(name, head=cfg["head"], dtype=torch.float32).train()
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False  # training never reads the generation cache (section 10.2)
+    rows, timed, comps, optimizers = {}, {}, {}, {}
     rung = dict(batch=cfg["batch"], attention="eager", amp=None, optimizer="for-loop")
-    steps = [("0 vanilla: fp32, eager, AdamW for-loop", {}), ("1 + SDPA attention", dict(attention="sdpa")),
-             (f"2 + {AMP_NAME} autocast" + ("" if prof.on_gpu else " (off on a CPU)"), dict(amp=AMP if prof.on_gpu else None)),
-             ("3 + fused AdamW", dict(optimizer="fused"))]
-    rows, timed, notes = {}, {}, {}
-    for label, change in steps:
-        rung = {**rung, **change}
-        attempt = batching.try_batch(lambda bs, r=rung: time_rung(model, name, {**r, "batch": bs}), rung["batch"])
-        if attempt.fits:
-            timed[label] = attempt.value[0]
-            rows[label] = rung_row(name, model, rung, *attempt.value)
-        else:
-            rows[label] = {"batch": rung["batch"], "note": f"out of memory ({attempt.error})"}
-    knee = {}
-    for bs in cfg["knee"]:  # rung 4: three batch sizes, the knee is kept
-        attempt = batching.try_batch(lambda b: time_rung(model, name, {**rung, "batch": b}), bs)
-        knee[bs] = attempt
-        if not attempt.fits:
-            break
-    fitting = {bs: a.value for bs, a in knee.items() if a.fits}
-    if fitting:
-        best = max(bs / t.wall.median for bs, (t, _) in fitting.items())
-        knee_bs = min(bs for bs, (t, _) in fitting.items() if bs / t.wall.median >= 0.95 * best)
-        rung = {**rung, "batch": knee_bs}
-        label = f"4 + batch {knee_bs} (the knee)"
-        timed[label] = fitting[knee_bs][0]
-        rows[label] = rung_row(name, model, rung, *fitting[knee_bs])
-    notes["knee"] = {bs: (f"{bs / a.value[0].wall.median:,.1f} samples/s" if a.fits else f"out of memory ({a.error})")
-                     for bs, a in knee.items()}
-    notes["model"] = name
-    notes["padding"] = padding_check(model, name)
-    notes["matmul_params"] = flops.matmul_params(model)
+    label0 = "0 vanilla: fp32, eager, AdamW for-loop"
+    step, switch = rung_step(model, name, rung, optimizers)
+    switch()
+    t0 = timing.time_it(step, device=dev, warmup=WARMUP, repeat=REPEAT, profile_steps=2)
+    timed[label0] = t0
+    rows[label0] = rung_row(name, model, rung, t0, steady_peak_gib(step, switch))
+    del step
+    big = cfg["big_batch"]
+    for label, change in [(f"1 + batch {cfg['ladder_batch']}", dict(batch=cfg["ladder_batch"])),
+                          ("2 + fused AdamW", dict(optimizer="fused")),
+                          (f"3 + {AMP_NAME} autocast" + ("" if prof.on_gpu else " (off on a CPU)"),
+                           dict(amp=AMP if prof.on_gpu else None)),
+                          ("4 + SDPA attention", dict(attention="sdpa")),
+                          (f"5 + batch {big} (the largest tried)", dict(batch=big))]:
+        rung = climb_rung(model, name, label, rung, {**rung, **change}, optimizers, rows, timed, comps)
+    notes = {"model": name, "padding": padding_check(model, name), "matmul_params": flops.matmul_params(model),
+             "vanilla": t0, "comparisons": comps, "ladder_batch": cfg["ladder_batch"]}
     lookup_only = ("" if "vocabulary" in matmul_dims(model, name) else
                    f" (the vocabulary, {model.config.vocab_size:,}, is used only in the embedding lookup)")
-    rows["5 padding to multiples of 8"] = {"batch": rung["batch"], "note": (
+    notes["padding_text"] = (
         "not needed: " + ", ".join(f"{k} {v}" for k, v in matmul_dims(model, name).items()) + " are multiples of 8"
-        + lookup_only if not notes["padding"] else "needed for " + ", ".join(notes["padding"]) + " (see the text)")}
-    notes["compile"] = None
-    if not prof.on_gpu:
-        notes["compile"] = "skipped on CPU: torch.compile's GPU kernels (Triton) need a GPU"
-    elif seconds_left() < compile_min_s:
-        notes["compile"] = f"skipped: {seconds_left():.0f} s of the chapter's time budget left, compiling needs about {compile_min_s:.0f}"
-    else:
-        torch._logging.set_logs(dynamo=logging.ERROR, inductor=logging.ERROR)  # no compiler chatter in the output
-        try:
-            for layer in layers_of(model):
-                layer.compile()
-            compile_start = time.perf_counter()
-            attempt = batching.try_batch(lambda b: time_rung(model, name, {**rung, "batch": b}), rung["batch"])
-            compile_s = time.perf_counter() - compile_start
-        except Exception as err:  # a compiler error must not end the chapter: report it in one line
-            attempt, compile_s = None, 0.0
-            notes["compile"] = f"torch.compile failed here: {one_line(err)}"
-        if attempt is not None and attempt.fits:
-            t_c, peak_c = attempt.value
-            prev_label = list(timed)[-1]
-            verdict = timing.compare({"eager": timed[prev_label], "compiled": t_c}, "eager")["compiled"]
-            kept = verdict["difference"] == "faster"
-            label = "6 + torch.compile (regional)" + ("" if kept else ", not kept")
-            timed[label] = t_c
-            rows[label] = {**rung_row(name, model, {**rung, "compiled": True}, t_c, peak_c),
-                           "note": f"{verdict['speed-up']:.2f}x, {verdict['difference']}; compile and timing took {compile_s:.0f} s"}
-            notes["compile"] = verdict | {"kept": kept, "seconds": compile_s}
-        elif attempt is not None:
-            rows["6 + torch.compile (regional)"] = {"batch": rung["batch"], "note": f"out of memory ({attempt.error})"}
-        torch.compiler.reset()  # drop the compiled code and its guards, which can keep the model alive
+        + lookup_only if not notes["padding"] else "needed for " + ", ".join(notes["padding"]) + " (see the text)")
+    notes["compile"] = compile_rung(model, name, rung, optimizers, rows, timed, comps, notes, compile_min_s)
     if isinstance(notes["compile"], str):
-        rows["6 + torch.compile (regional)"] = {"batch": rung["batch"], "note": notes["compile"]}
+        rows["6 + torch.compile (regional)"] = {"batch": rung["batch"], "verdict": "not run", "note": notes["compile"]}
     table = pd.DataFrame(rows).T.rename_axis(f"{name}, {cfg['seq_len']} tokens")
     return table, timed, notes  # the model goes with this function's frame; the next cell collects it
 
@@ -698,32 +746,34 @@ def climb(name, compile_min_s):
 # ### bert-large, 512 tokens
 
 # %%
-bert_table, bert_timed, bert_notes = climb("bert-large-uncased", compile_min_s=prof.pick(tiny=0, full=170))
+bert_table, bert_timed, bert_notes = climb("bert-large-uncased", compile_min_s=prof.pick(tiny=0, full=250))
 cleanup.collect()
-bert_table
+print(f"padding to multiples of 8 (chapter 5): {bert_notes['padding_text']}")
+show_ladder(bert_table)
 
 # %% [markdown]
-# Rung 5 checks the shapes of the matrix products against chapter 5's rule (multiples of 8, better 64). In
+# The padding check compares the shapes of the matrix products with chapter 5's rule (multiples of 8, better 64). In
 # bert-large the only dimension that is not a multiple of 8 is the vocabulary, 30,522; but a classification
 # model uses the vocabulary only in the embedding lookup, which is not a matrix product, so padding it would
 # buy nothing. Its hidden size (1,024), MLP width (4,096) and head size (64) are multiples of 64 already, and
-# so are the 1.3B model's (2,048, 8,192, 128), vocabulary (30,080) included: this rung changes nothing here.
+# so are the 1.3B model's (2,048, 8,192, 128), vocabulary (30,080) included: padding changes nothing here, and the
+# ladder has no rung for it.
 
 # %% [markdown]
 # ### The 1.3B GPT-NeoX, 2048 tokens
 #
-# The same ladder on the LLM book's model at its full context. Its vanilla rung runs at batch 1, which
-# keeps the slow fp32 rungs short: with eager attention the stored s × s attention matrices grow quickly
-# with the batch (chapter 1, section 1.4), and the planner puts the vanilla setup at batch 4 at the peak
-# printed below. On a GPU smaller than the planner's peak for the lightest rung (a T4), the climb is skipped
-# with one line that says so.
+# The same ladder on the LLM book's model at its full context. Its vanilla rung runs at the guide's batch of 1;
+# rung 1 moves to batch 4, still in fp32 with eager attention, whose stored s × s attention matrices grow quickly
+# with the batch (chapter 1, section 1.4): the planner puts that setup at the peak printed below (with the
+# generation cache, which the planner always counts and the ladder turns off). On a GPU smaller than the planner's
+# peak for the lightest setup of any rung (a T4), the climb is skipped with one line that says so.
 
 # %%
 vanilla_b4 = plan.predict(plan.Setup(model="gpt-neox-1.3b", batch=4, seq=LADDER["polyglot-ko-1.3b"]["seq_len"],
                                      precision="fp32", optimizer="adamw", attention="eager",
                                      profile=prof.name))
 print(f"vanilla setup at batch 4: predicted peak {vanilla_b4.peak_gib:.1f} GiB ({vanilla_b4.peak_phase})")
-lightest = plan.predict(vanilla_b4.setup.replace(  # rung 3 at batch 1: the least memory of any rung, predicted
+lightest = plan.predict(vanilla_b4.setup.replace(  # no rung needs less: batch 1, SDPA, autocast, fused AdamW
     batch=1, attention="sdpa", precision=f"{AMP_NAME}-autocast", optimizer="adamw-fused"))
 total_gib = torch.cuda.get_device_properties(0).total_memory / GIB if prof.on_gpu else float("inf")
 if lightest.peak_gib > total_gib:  # a T4: fp32 weights, gradients and AdamW states alone are 16 bytes per parameter
@@ -733,9 +783,10 @@ if lightest.peak_gib > total_gib:  # a T4: fp32 weights, gradients and AdamW sta
         f"model for this budget")}
     print(llm_notes["skipped"])
 else:
-    llm_table, llm_timed, llm_notes = climb("polyglot-ko-1.3b", compile_min_s=prof.pick(tiny=0, full=80))
+    llm_table, llm_timed, llm_notes = climb("polyglot-ko-1.3b", compile_min_s=prof.pick(tiny=0, full=60))
 cleanup.collect()
-llm_table
+if len(llm_table):
+    show_ladder(llm_table)
 
 # %%
 def best_label(timed, table):
@@ -745,10 +796,6 @@ def best_label(timed, table):
 
 
 best_bert, best_llm = best_label(bert_timed, bert_table), best_label(llm_timed, llm_table)
-ladder_mfu_bert = float(bert_table.loc[best_bert, "MFU vs datasheet (%)"]) if best_bert else float("nan")
-ladder_mfu_1p3b = float(llm_table.loc[best_llm, "MFU vs datasheet (%)"]) if best_llm else float("nan")
-glue("ladder_mfu_bert", ladder_mfu_bert)
-glue("ladder_mfu_1p3b", ladder_mfu_1p3b)
 fig, axes = plt.subplots(1, 2, figsize=(12, 4.6))
 metric = "MFU vs datasheet (%)" if prof.on_gpu and peak_tflops else "MFU vs matmul ceiling (%)"
 for ax, (title, table, timed, notes, goal) in zip(axes, [
@@ -793,86 +840,91 @@ fig.suptitle("the speed ladder: " + ("; ".join(
 fig.tight_layout()
 
 # %% tags=["remove-input"]
-def per_sample_verdict(t_prev, b_prev, t_cur, b_cur):
-    """Throughput ratio of two rungs, and whether the change is larger than the noise: ``timing.compare``'s
-    rule (medians further apart than the larger IQR) applied to the time per sample, as the batch may differ."""
-    m0, m1 = t_prev.wall.median / b_prev, t_cur.wall.median / b_cur
-    noise = max(t_prev.wall.iqr / b_prev, t_cur.wall.iqr / b_cur)
-    return m0 / m1, ("within the noise" if abs(m0 - m1) <= noise else ("faster" if m1 < m0 else "slower"))
+def short(label):
+    """A rung's label without its number: ``"3 + bf16 autocast"`` → ``"+ bf16 autocast"``."""
+    return label.split(" ", 1)[1]
+
+
+def climb_product(comps, best):
+    """The per-sample speed-ups of the rungs kept up to ``best``, multiplied, with the product of their interval
+    ends: the climb from the vanilla rung, each factor measured against the rung before in the same rounds."""
+    labels = list(comps)
+    kept = [k for k in labels[:labels.index(best) + 1] if "not kept" not in k] if best in comps else []
+    prod = lo = hi = 1.0
+    for k in kept:
+        prod, lo, hi = prod * comps[k].speedup, lo * comps[k].lo, hi * comps[k].hi
+    return prod, lo, hi
+
+
+def busy_pct(t):
+    return "n/a" if t.gpu_busy is None else prose.pct(t.gpu_busy)
 
 
 def ladder_sentences(name, table, timed, notes, best, goal):
-    ran = table.dropna(subset=["tokens/s"])
-    first, b = ran.iloc[0], table.loc[best]
-    speedup = b["tokens/s"] / first["tokens/s"]
-    from_txt = (f"From {first['tokens/s']:,.0f}" if first.name == table.index[0] else
-                f"From {first['tokens/s']:,.0f} (*{first.name.split(' ', 1)[1]}*: the vanilla rung did not fit this GPU)")
-    labels = list(timed)
-    steps, masked = [], []
-    for prev, cur in zip(labels, labels[1:]):
-        b0, b1 = table.loc[prev, "batch"], table.loc[cur, "batch"]
-        ratio, diff = per_sample_verdict(timed[prev], b0, timed[cur], b1)
-        g0, g1 = timed[prev].kernel_s, timed[cur].kernel_s
-        gpu_ratio = (g0 / b0) / (g1 / b1) if g0 and g1 else np.nan  # GPU time per sample, before over after
-        gpu_txt = "" if np.isnan(gpu_ratio) else f"; GPU time {gpu_ratio:.2f}x"
-        host = timed[cur].verdict == "host-bound"
-        if host and gpu_ratio > 1.1 * ratio:  # the GPU's work shrank more than the step did
-            masked.append((cur.split(" ", 1)[1], diff == "faster"))  # with: did any of the saving reach the wall?
-        steps.append(f"*{cur.split(' ', 1)[1]}* {ratio:.2f}x ({diff}{gpu_txt}{', host-bound' if host else ''})")
+    comps, t0 = notes["comparisons"], notes["vanilla"]
+    first, b = table.iloc[0], table.loc[best]
+    prod, lo, hi = climb_product(comps, best)
+    aim = ("at least" if lo >= 10 else "short of" if hi < 10 else "around, without the intervals settling which side of,")
+    text = (f"**{name}.** From {first['tokens/s']:,.0f} to {b['tokens/s']:,.0f} tokens/s. The rungs' speed-ups per "
+            f"sample multiply to {prod:.1f} times the vanilla setup's throughput (the products of their interval ends: "
+            f"{lo:.1f} to {hi:.1f}), {aim} the 10 times this chapter aimed for. ")
     mfu = b["MFU vs datasheet (%)"]
     if np.isnan(mfu):
-        mfu_txt = "runs (this GPU has no datasheet peak in the book's table, so no MFU against it) "
+        text += "The best rung, *" + short(best) + "*, runs (this GPU has no datasheet peak in the book's table) "
     else:
         reach = f"reaching the goal of {goal}%" if mfu >= goal else f"short of the goal of {goal}%"
-        mfu_txt = f"runs at {mfu:.1f}% MFU against the datasheet, {reach}, and "
-    busy = (f"; the GPU is busy {b['GPU busy']:.0%} of its step ({b['verdict']})" if not np.isnan(b["GPU busy"])
-            else f" ({b['verdict']})")
-    text = (f"**{name}.** {from_txt} to {b['tokens/s']:,.0f} tokens/s, {speedup:.1f} times the "
-            f"{'vanilla setup' if first.name == table.index[0] else 'first rung'}'s throughput "
-            f"({'at least' if speedup >= 10 else 'less than'} the 10 times this chapter aimed "
-            f"for). The best rung, *{best.split(' ', 1)[1]}*, {mfu_txt}"
-            f"at {b['MFU vs matmul ceiling (%)']:.0f}% of the measured matmul ceiling{busy}.")
+        text += f"The best rung, *{short(best)}*, runs at {mfu:.1f}% MFU against the datasheet, {reach}, and "
+    text += (f"at {b['MFU vs matmul ceiling (%)']:.0f}% of the measured matmul ceiling; the GPU is busy "
+             f"{busy_pct(timed[best])} of its step.")
     if not np.isnan(b["MFU, 6N only (%)"]):
         text += f" Under the 6N convention (no attention term) the same step is {b['MFU, 6N only (%)']:.1f}% MFU"
         text += (f", and with causal attention counted at half {b['MFU, causal attention at half (%)']:.1f}%."
                  if LADDER[notes["model"]]["head"] == "causal-lm" else ".")
-    text += (" Rung by rung, per sample over the rung before (wall time, then the profiler's GPU time): "
-             + "; ".join(steps) + ".")
-    if masked:
-        none = [m for m, reached in masked if not reached]
-        part = [m for m, reached in masked if reached]
-        text += (" On " + ", ".join(f"*{m}*" for m, _ in masked) + " the GPU's work shrank more than the step did: the "
-                 "step is host-bound, and the CPU's launches set its length"
-                 + (f"; on {', '.join(f'*{m}*' for m in part)} part of the GPU's saving reached the wall time" if part else "")
-                 + (f"; on {', '.join(f'*{m}*' for m in none)} none of the GPU's saving reached the wall time beyond "
-                    f"the noise (the rung is not faster per sample): a host-bound step's time follows the CPU, which a "
-                    f"shared host can change between two timed runs by more than one run's IQR shows" if none else "")
-                 + ".")
-    text += " The knee search measured " + ", ".join(f"batch {bs}: {v}" for bs, v in notes["knee"].items()) + "."
+    b0, us = int(first["batch"]), timing.us_per_launch(t0)
+    launches = (f": its {t0.kernels_per_call:,} kernel launches per step cost this machine's CPU {us:.0f} µs each, "
+                f"so a reader's CPU decides much of this rung's time" if us else "")
+    if not any(k.startswith("1 ") for k in comps):
+        text += (f"\n\nRung 1's batch of {notes['ladder_batch']} did not fit this GPU, so the later rungs are judged "
+                 f"at the guide's batch of {b0}, where the vanilla step keeps the GPU busy {busy_pct(t0)} of its "
+                 f"step{launches}.")
+    elif t0.gpu_busy is not None and t0.gpu_busy < 0.9:
+        text += (f"\n\nAt the guide's batch of {b0} the vanilla step keeps the GPU busy only {busy_pct(t0)} of its "
+                 f"step{launches}. That is why rung 1 raises the batch to {notes['ladder_batch']} first.")
+    else:
+        text += (f"\n\nAt the guide's batch of {b0} the vanilla step already keeps the GPU busy ({busy_pct(t0)}); "
+                 f"rung 1 raises the batch to {notes['ladder_batch']}, where the 16-bit rungs keep it busy too.")
+    steps_txt = []
+    for k, c in comps.items():
+        g = table.loc[k, "GPU-time speed-up per sample"]
+        steps_txt.append(f"*{short(k)}* {c.phrase()}" + ("" if pd.isna(g) else f"; GPU time {g:.2f}×"))
+    text += (" Rung by rung, per sample against the rung before, interleaved (wall time, then the profiler's kernel "
+             "time): " + "; ".join(steps_txt) + ".")
+    low = [short(k) for k, c in comps.items()
+           if any(x is not None and x < 0.9 for x in (c.a.gpu_busy, c.b.gpu_busy))]
+    if low:
+        text += (f" On {prose.listing(f'*{m}*' for m in low)} one side of the rounds kept the GPU busy less than 90% "
+                 f"of its step: part of that step waits on the CPU's launches, so the ratio there depends on the host "
+                 f"as well as on the GPU.")
+    elif comps:
+        text += " Both sides of every judged rung kept the GPU busy at least 90% of their steps."
     c = notes["compile"]
     if isinstance(c, dict):
-        text += (f" `torch.compile` took {c['seconds']:.0f} s to compile and time, and made the step {c['speed-up']:.2f}x "
-                 f"as fast ({c['difference']}); it is " + ("kept." if c["kept"] else "not kept."))
+        text += (f" `torch.compile`: the first compiled step took {c['first_step_s']:.0f} s, compilation included (this "
+                 f"process had compiled nothing before; inductor's on-disk cache may hold kernels from an earlier run "
+                 f"on this machine, and a cold first compile is longer); compiled against eager, the step is "
+                 f"{c['comparison'].phrase()}; it is " + ("kept." if c["kept"] else "not kept."))
     elif c:
         text += f" The compile rung: {c}."
     return text
 
 
 if prof.on_gpu:
-    display(Markdown("\n\n".join(
+    prose.say("\n\n".join(
         ladder_sentences(*args) if args[4] else f"**{args[0]}**: {args[3].get('skipped', 'no rung fit this GPU')}."
         for args in (("bert-large", bert_table, bert_timed, bert_notes, best_bert, 35),
-                     ("The 1.3B GPT-NeoX", llm_table, llm_timed, llm_notes, best_llm, 45)))))
+                     ("The 1.3B GPT-NeoX", llm_table, llm_timed, llm_notes, best_llm, 45))))
 else:
     print("skipped on CPU: MFU and GPU-busy need a GPU (the tiny models' CPU times say nothing about a GPU)")
-
-# %% [markdown]
-# A reading note on the knee: when the rule keeps the largest of the three batch sizes tried (the sentences
-# above list the three throughputs), the search shows only that throughput still grew at the last step, not
-# that it has flattened there; a larger batch, where it fits, may be faster still. The rung is then "the
-# largest batch tried", not a knee. In the committed run this is the case for both models: batch 64 for bert-large
-# and batch 8 for the 1.3B model are the largest sizes tried, so read "(the knee)" in the tables and the figure as
-# "the largest batch tried".
 
 # %% [markdown]
 # **Where the rest goes.** The category table of the best rung of each model (shares of the GPU time of the
@@ -920,8 +972,10 @@ if prof.on_gpu and len(rest):
                               for cat in ("element-wise / normalisation", "GEMM"))
                           + " of GPU time per step.")
     display(Markdown("\n".join(parts) + "\n\nThese are the levers that are left: the element-wise and normalisation "
-                     "rows shrink with fusion (compilation, fused kernels), idle time with fewer launches and "
-                     "overlap, and the GEMM row only with better shapes or a lower precision (fp8)."))
+                     "rows shrink with fusion (compilation, fused kernels, a fused cross-entropy), the attention row "
+                     "with other SDPA backends (cuDNN, FlashAttention-3 on an H100), idle time with fewer launches "
+                     "and overlap, and the GEMM row only with better shapes or a lower precision (fp8). The category "
+                     "shares come from a profiled step or two, with no spread of their own."))
 else:
     print("skipped on CPU: the categories of a GPU step need a GPU")
 
@@ -1042,9 +1096,9 @@ if recipe_run is not None:
 # |---|---|---|---|
 # | every phase | weights, gradients, optimizer states (16 bytes per parameter with AdamW) | 8-bit or factored optimizer states; LoRA, QLoRA; ZeRO/FSDP across GPUs | [5](05_mixed_precision_optimizers.ipynb), [6](06_lora_qlora.ipynb), [7](07_distributed_zero.ipynb) |
 # | the forward or backward pass | activations (grow with batch × sequence) | SDPA attention; a smaller micro-batch with accumulation; checkpointing | [1](01_memory_anatomy.ipynb), [3](03_batch_size_grad_accumulation.ipynb), [4](04_gradient_checkpointing.ipynb) |
-# | the optimizer step | the optimizer's temporaries on top of the gradients | fused or 8-bit AdamW; free the gradients (`set_to_none=True`) | [5](05_mixed_precision_optimizers.ipynb), [8](08_profiling.ipynb) |
+# | the optimizer step | the optimizer's temporaries on top of the gradients | fused or 8-bit AdamW; the optimizer step inside backward (a `register_post_accumulate_grad_hook` per parameter, PyTorch's tutorial), so each gradient is freed as soon as it is used | [5](05_mixed_precision_optimizers.ipynb), [8](08_profiling.ipynb) |
 # | nowhere clear: reserved ≫ allocated | fragmentation, variable shapes | `expandable_segments`; fixed or bucketed lengths | [8](08_profiling.ipynb) |
-# | the loss (language models) | logits of a large vocabulary, and their fp32 gradients | a smaller micro-batch with accumulation | [3](03_batch_size_grad_accumulation.ipynb), [4](04_gradient_checkpointing.ipynb) |
+# | the loss (language models) | logits of a large vocabulary, and their fp32 gradients | a chunked or fused linear cross-entropy (Liger, Cut Cross-Entropy), or a smaller micro-batch with accumulation | [3](03_batch_size_grad_accumulation.ipynb), [4](04_gradient_checkpointing.ipynb) |
 #
 # **Slow?** Time it properly first (≥ 10 steps, the spread), then read the GPU-busy fraction:
 #
@@ -1064,11 +1118,10 @@ if recipe_run is not None:
 #   10.2 publishes its error over more than thirty measured setups, beside four popular estimators that
 #   leave out the activations or the temporaries.
 # - Most of a training step's speed comes from a batch large enough to keep the GPU busy and, once it is
-#   busy, from 16-bit autocast. What a rung buys depends on what limits the step when it is added: autocast
-#   shortens a step that the GPU limits, but on a host-bound step it can shrink the GPU's work without
-#   shortening the step (its gain can be zero or within the noise), where what removes launches (a fused
-#   optimizer) may gain more. The order of the rungs changes what each one seems to buy. SDPA's larger gift is
-#   memory; compilation comes last and is kept only when measured faster.
+#   busy, from 16-bit autocast. What a rung buys depends on what limits the step when it is added: on a
+#   host-bound step a change to the GPU's work can leave the step as long as it was, so the ladder judges each
+#   rung at a batch that keeps the GPU busy, against the rung before it, in interleaved rounds. Compilation comes
+#   last and is kept only when measured faster.
 # - MFU against the datasheet hides two gaps: the matmul ceiling (what the tensor cores really deliver) and
 #   the time outside the matrix products; the profiler's category table shows the second.
 # - Plan, then measure: the planner says which change makes a run fit, the measurement says whether it did.
@@ -1079,12 +1132,13 @@ if recipe_run is not None:
 # import torch
 # from transformers import AutoModelForCausalLM
 #
-# model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="sdpa").cuda()  # fp32 master weights
+# model = AutoModelForCausalLM.from_pretrained(  # transformers 5 loads the checkpoint's dtype unless told:
+#     name, dtype=torch.float32, attn_implementation="sdpa").cuda().train()  # fp32 master weights, dropout on
 # model.config.use_cache = False          # no generation cache in training (section 10.2)
 # optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5, fused=True)
 # for layer in model.model.layers:        # regional compilation (Llama-style; GPT-NeoX: model.gpt_neox.layers)
 #     layer.compile()
-# for batch in loader:                    # batch at the knee of the throughput curve
+# for batch in loader:                    # a batch that keeps the GPU busy (chapter 3)
 #     with torch.autocast("cuda", dtype=torch.bfloat16):
 #         loss = model(**batch).loss
 #     loss.backward()
@@ -1116,11 +1170,13 @@ if recipe_run is not None:
 #    10.4), or factored (Adafactor) states, which cost more time. LoRA fits with no other change but trains a small fraction of the parameters; on a T4 its base
 #    must be fp16, which is why section 10.4 asks <code>plan.suggest(setup, budget, half="fp16")</code>.</details>
 # 3. **One more rung.** Add CUDA graphs (chapter 8, section 8.3) to the bert-large ladder at batch 4. Does it
-#    pay at the knee's batch, too?
+#    pay at the ladder's batch (32), too?
 #    <details><summary>Hint</summary>Capture the whole step with <code>torch.cuda.graph</code> and a
 #    <code>capturable=True</code> fused AdamW; time the replay with <code>time_it</code>.</details>
-#    <details><summary>Answer</summary>At batch 4 the step is host-bound and graphs pay; at the knee the GPU
-#    is already busy most of the time, and the gain shrinks to the launch gaps, often within the noise.</details>
+#    <details><summary>Answer</summary>Compare with <code>timing.interleaved</code>, as the ladder does. Expect
+#    graphs to pay where the step is host-bound (batch 4: the launches go, the GPU's work stays); at the ladder's
+#    batch the GPU is already busy most of the step, so at most the idle share of the profiler's table can go. This
+#    chapter did not measure it: your rounds decide.</details>
 #
 # ## References
 #
