@@ -59,7 +59,6 @@ from IPython.display import Markdown, display
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, GemmaConfig, MistralConfig
 
 from helpers import accounting, cleanup, models, plots, profiles, timing
-from helpers.glue import glue
 from helpers.measure import GIB, MIB
 
 plots.use_style()
@@ -152,7 +151,6 @@ for value in (0.1, 65504.0, 1e-8):
         stored = torch.tensor(value, dtype=torch.float64).to(dt).to(torch.float64).item()
         rows.append({"value": value, "format": name, "bits": bit_string(value, dt), "stored as": f"{stored:.8g}",
                      "relative error": f"{abs(stored - value) / value:.2e}" if math.isfinite(stored) else "overflow"})
-glue("torch_version", torch.__version__.split("+")[0])
 pd.DataFrame(rows).set_index(["value", "format"])
 
 # %% [markdown]
@@ -168,7 +166,6 @@ fp8_cast = {"CPU": torch.tensor(out_of_range).to(torch.float8_e4m3fn).float().to
 if prof.on_gpu:
     fp8_cast["GPU"] = torch.tensor(out_of_range, device="cuda").to(torch.float8_e4m3fn).float().cpu().tolist()
 e4m3 = fp8_cast["CPU"][out_of_range.index(65504.0)]
-glue("e4m3_65504", str(e4m3))
 pd.DataFrame(fp8_cast, index=[f"{v:g}" for v in out_of_range]).rename_axis("fp32 value cast to e4m3")
 
 # %% tags=["remove-input"]
@@ -264,9 +261,6 @@ act_grads = pd.DataFrame({
 act_grads["zero (%)"] = 100 * act_grads["zero"] / act_grads["entries"]
 act_grads["non-finite (%)"] = 100 * act_grads["non-finite"] / act_grads["entries"]
 underflow_pct = act_grads.loc["fp16 autocast, no scaling", "zero (%)"] - act_grads.loc["fp32", "zero (%)"]
-if prof.is_full:
-    glue("act_grad_zero_fp16_pct", act_grads.loc["fp16 autocast, no scaling", "zero (%)"])
-    glue("act_grad_zero_scaled_pct", act_grads.loc["fp16 autocast, loss x 2**16", "zero (%)"])
 cleanup.free(globals(), "model")
 act_grads[["dtype", "entries", "zero (%)", "non-finite (%)"]].style.format(
     {"entries": "{:,}", "zero (%)": "{:.4f}", "non-finite (%)": "{:.4f}"}, na_rep="—")
@@ -309,8 +303,6 @@ sums = pd.DataFrame(runs, index=range(1, n_terms + 1))
 final = sums.iloc[-1].to_dict() | {
     "torch.sum of fp16 values": torch.full((n_terms,), 0.01, dtype=torch.float16).sum().item(),
 }
-glue("sum_fp16", final["fp16 accumulator"])
-glue("sum_bf16", final["bf16 accumulator"])
 fig = plots.lines(sums.iloc[::50].reset_index(names="terms"), x="terms", ys=list(runs),
                   title=f"Adding 0.01 ten thousand times: fp16 stalls at {final['fp16 accumulator']:g}, "
                         f"bf16 at {final['bf16 accumulator']:g}", xlabel="terms added",
@@ -372,11 +364,6 @@ for name, dt, tf32 in modes:
     }
 torch.backends.cuda.matmul.allow_tf32 = False
 matmul_err = pd.DataFrame(matmul_err).T
-if prof.is_full and prof.on_gpu:
-    for name in matmul_err.index:
-        glue(f"mm_err_{name}", matmul_err.loc[name, "relative error of the product"])
-glue("mm_err_fp32_inputs", matmul_err.loc["fp32", "from rounding the inputs alone"])
-glue("mm_n", n)
 cleanup.free(globals(), "A64", "B64", "C64", "A", "B", "C", "inputs_only", "rounded")
 matmul_err
 
@@ -439,11 +426,6 @@ for name in [*models.REGISTRY, *MORE_7B]:
     size_rows[name] = row
 del meta_model
 sizes = pd.DataFrame(size_rows).T
-glue("llama_params_b", sizes.loc["llama-2-7b", "parameters (B)"])
-glue("llama_bf16_gib", sizes.loc["llama-2-7b", "bf16 (GiB)"])
-glue("llama_bf16_gb", sizes.loc["llama-2-7b", "bf16 (GB = 1e9 B)"])
-glue("mistral_params_b", sizes.loc["Mistral-7B-v0.1", "parameters (B)"])
-glue("gemma_params_b", sizes.loc["gemma-7b", "parameters (B)"])
 sizes
 
 # %% tags=["remove-input"]
@@ -474,7 +456,6 @@ if profiles.cuda_or_skip("the allocator's numbers exist only on a GPU"):
     before = torch.cuda.memory_allocated()
     bf16_model = models.build("polyglot-ko-1.3b", head="causal-lm", dtype=torch.bfloat16)
     built_gib = (torch.cuda.memory_allocated() - before) / GIB
-    glue("built_bf16_gib", built_gib)
     print(f"allocated by the bf16 model: {built_gib:.3f} GiB; table: {sizes.loc['polyglot-ko-1.3b', 'bf16 (GiB)']:.3f} GiB")
     assert abs(built_gib - sizes.loc["polyglot-ko-1.3b", "bf16 (GiB)"]) < 0.01, "the allocator disagrees with the count"
     cleanup.free(globals(), "bf16_model")
@@ -608,7 +589,6 @@ quantize_t = {name: timing.time_it(lambda f=f: f(normal), device="cpu", warmup=1
 quantize_ms = pd.DataFrame({name: {"median (ms)": t.wall.median * 1e3, "IQR (ms)": t.wall.iqr * 1e3}
                             for name, t in quantize_t.items()}).T.rename_axis("quantize 2**20 values, CPU")
 quantile_vs_absmax = timing.compare({k: quantize_t[k] for k in ("absmax", "quantile")}, baseline="absmax")["quantile"]
-glue("quantile_slowdown", quantize_ms.loc["quantile", "median (ms)"] / quantize_ms.loc["absmax", "median (ms)"])
 quantize_ms
 
 # %% [markdown]
@@ -634,13 +614,6 @@ assert errors.loc[("(b) normal + outliers", "quantile"), "codes used (of 256)"] 
 mse = errors["MSE"]
 assert mse[("(b) normal + outliers", "block-wise, 64")] < mse[("(b) normal + outliers", "absmax")] / 10
 assert mse[("(a) normal", "quantile")] > mse[("(a) normal", "absmax")]
-glue("mse_ratio_outliers", mse[("(b) normal + outliers", "absmax")] / mse[("(b) normal + outliers", "block-wise, 64")])
-glue("codes_absmax_outliers", int(errors.loc[("(b) normal + outliers", "absmax"), "codes used (of 256)"]))
-glue("codes_absmax_normal", int(errors.loc[("(a) normal", "absmax"), "codes used (of 256)"]))
-glue("codes_block_outliers", int(errors.loc[("(b) normal + outliers", "block-wise, 64"), "codes used (of 256)"]))
-glue("mse_quantile_normal", mse[("(a) normal", "quantile")])
-glue("mse_absmax_normal", mse[("(a) normal", "absmax")])
-glue("maxerr_quantile_outliers", errors.loc[("(b) normal + outliers", "quantile"), "max error"])
 print("all quantizer checks passed")
 
 # %% [markdown]
@@ -810,11 +783,6 @@ bits = layer_table["bits per weight (codes + scales)"]
 assert abs(bits["NF4"] - (4 + 32 / 64)) < 1e-3, bits["NF4"]
 assert abs(bits["NF4 + double quant"] - (4 + 8 / 64 + 32 / (64 * 256))) < 1e-3, bits["NF4 + double quant"]
 assert abs(bits["LLM.int8(), threshold 6"] - (8 + 32 / d_in)) < 1e-3, bits["LLM.int8(), threshold 6"]
-glue("nf4_bits", bits["NF4"])
-glue("nf4_dq_bits", bits["NF4 + double quant"])
-glue("err_int8", layer_table.loc["LLM.int8(), threshold 6", "relative output error"])
-glue("err_nf4", layer_table.loc["NF4", "relative output error"])
-glue("err_fp4", layer_table.loc["FP4", "relative output error"])
 print("storage matches the formulas")
 
 # %% tags=["remove-input"]
@@ -839,8 +807,6 @@ with torch.no_grad():
     y_ref_out = layers[REF](x_out).float()
     outlier_err = {f"threshold {t}": ((int8_layer(t)(x_out).float() - y_ref_out).norm() / y_ref_out.norm()).item()
                    for t in (0.0, 6.0)}
-glue("int8_err_t0", outlier_err["threshold 0.0"])
-glue("int8_err_t6", outlier_err["threshold 6.0"])
 pd.Series(outlier_err, name="relative output error with outlier features")
 
 # %% tags=["remove-input"]
@@ -862,8 +828,6 @@ else:
 # 16-bit layer, counting a difference only when it is larger than the interquartile ranges:
 
 # %%
-glue("tokens_n", tokens)
-glue("dim_n", d_in)
 if profiles.cuda_or_skip("kernel timings are only meaningful on the GPU"):
     layer_t = {}
     with torch.no_grad():
@@ -872,8 +836,6 @@ if profiles.cuda_or_skip("kernel timings are only meaningful on the GPU"):
     vs_ref = timing.compare(layer_t, baseline=REF)
     speed = pd.DataFrame({name: {**t.summary(), f"x {REF}'s time": 1 / vs_ref[name]["speed-up"],
                                  f"vs {REF}": vs_ref[name]["difference"]} for name, t in layer_t.items()}).T
-    glue("slow_int8", 1 / vs_ref["LLM.int8(), threshold 6"]["speed-up"])
-    glue("slow_nf4", 1 / vs_ref["NF4"]["speed-up"])
     display(speed[["wall median (ms)", "wall IQR (ms)", "GPU busy", f"x {REF}'s time", f"vs {REF}", "verdict"]])
 
 # %% tags=["remove-input"]
@@ -952,17 +914,6 @@ expected = {
 }
 whole["expected (GiB)"] = pd.Series(expected) / GIB
 linear_share = linear_params / models.n_params(meta)
-if prof.is_full and prof.on_gpu:
-    glue("whole_bf16_gib", whole.loc[REF, "allocated (GiB)"])
-    glue("whole_int8_gib", whole.loc["int8 (LLM.int8())", "allocated (GiB)"])
-    glue("whole_nf4_gib", whole.loc["4-bit NF4 + double quant", "allocated (GiB)"])
-    glue("whole_nf4_footprint_gib", whole.loc["4-bit NF4 + double quant", "get_memory_footprint (GiB)"])
-    glue("whole_nf4_expected_gib", whole.loc["4-bit NF4 + double quant", "expected (GiB)"])
-    glue("whole_nf4_bpp", whole.loc["4-bit NF4 + double quant", "bytes per parameter"])
-    glue("whole_int8_bpp", whole.loc["int8 (LLM.int8())", "bytes per parameter"])
-    glue("linear_share", linear_share)
-    glue("whole_int8_logit_err", whole.loc["int8 (LLM.int8())", f"logits: relative difference from {REF}"])
-    glue("whole_nf4_logit_err", whole.loc["4-bit NF4 + double quant", f"logits: relative difference from {REF}"])
 del meta, head
 whole[[c for c in ["allocated (GiB)", "expected (GiB)", "get_memory_footprint (GiB)", "bytes per parameter"] if c in whole]]
 
@@ -1012,8 +963,6 @@ for name, make in [("torch.optim.AdamW", torch.optim.AdamW), ("bnb.optim.AdamW8b
     state_bytes[name] = accounting.optimizer_state_bytes(optimizer) / models.n_params(model)
     cleanup.free(globals(), "model", "optimizer")
 state_bytes = pd.Series(state_bytes, name="optimizer-state bytes per parameter")
-glue("adamw_bpp", state_bytes["torch.optim.AdamW"])
-glue("adamw8bit_bpp", state_bytes["bnb.optim.AdamW8bit"])
 state_bytes
 
 # %% tags=["remove-input"]

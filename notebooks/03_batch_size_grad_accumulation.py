@@ -63,7 +63,6 @@ import torch.nn.functional as F
 from transformers import Trainer, TrainingArguments
 
 from helpers import accounting, batching, cleanup, data, flops, measure, models, plots, profiles, train
-from helpers.glue import glue
 from helpers.measure import GIB, MIB
 
 plots.use_style()
@@ -94,7 +93,6 @@ if profiles.cuda_or_skip("emulating a T4 needs a GPU"):
     t4_budget_gib = budget.budget_gib
     torch._C._cuda_clearCublasWorkspaces()  # the end of the chapter clears them too, so both ends exclude them
     chapter_baseline_mib = torch.cuda.memory_allocated() / MIB
-    glue("t4_budget_gib", t4_budget_gib)
     print(f"emulated T4: {budget.describe()}")
     print(f"allocated at the start (the chapter's baseline): {chapter_baseline_mib:,.1f} MiB")
 
@@ -251,13 +249,6 @@ for name, df in sweep.items():
         "sweep stopped": f"{sweep_stop[name][0]} at batch {sweep_stop[name][1]}",
     }
 fit = pd.DataFrame(fit_rows).T.infer_objects()
-if prof.is_full and prof.on_gpu:
-    for key, name in (("bert", "bert-large-uncased"), ("llm", "polyglot-ko-1.3b")):
-        glue(f"{key}_fixed_fit_gib", fit.loc[name, "fixed part, fitted (GiB)"])
-        glue(f"{key}_per_sample_mib", fit.loc[name, "per sample, fitted (MiB)"])
-        glue(f"{key}_sat_batch", int(fit.loc[name, "batch reaching 95% of best samples/s"]))
-        glue(f"{key}_best_samples_s", fit.loc[name, "best samples/s"])
-        glue(f"{key}_busy_1", sweep[name].loc[1, "GPU busy"])
 fit
 
 # %%
@@ -478,9 +469,6 @@ if prof.on_gpu:
     deviation_mib = (after - baseline_mib).abs().max()
     assert deviation_mib < 32, f"memory leaked: {deviation_mib:.1f} MiB"  # a leaked step would hold hundreds
     print(f"every attempt left {after.min():,.1f} to {after.max():,.1f} MiB allocated (baseline {baseline_mib:,.1f})")
-    if prof.is_full:
-        glue("search_t4_largest", t4_search.largest)
-        glue("search_full_largest", full_search.largest)
 freed = cleanup.free(globals(), "model", "optimizer")
 
 # %% tags=["remove-input"]
@@ -595,8 +583,6 @@ grad_check = pd.Series({
 }, name=f"max relative difference to one batch of {micro_bs * n_accum}")
 assert grad_check.iloc[0] < 1e-4, "accumulated gradients differ from the large batch's"
 assert grad_check.iloc[1] > 1.0, "the control should be off by a factor of N"
-if prof.is_full:
-    glue("grad_rel_diff", grad_check.iloc[0])
 grad_check.to_frame().map("{:.2e}".format)
 
 # %% tags=["remove-input"]
@@ -629,11 +615,6 @@ torch.testing.assert_close(torch.tensor(loss_acc), torch.tensor(loss_big), rtol=
 param_diff = (sum((p - q).square().sum() for p, q in zip(model_acc.parameters(), model_big.parameters())).sqrt()
               / sum(p.square().sum() for p in model_big.parameters()).sqrt()).item()
 assert param_diff < 1e-4, f"the two runs' weights drifted apart: {param_diff:.1e}"
-if prof.is_full:
-    glue("traj_max_loss_diff", float((curves.iloc[:, 0] - curves.iloc[:, 1]).abs().max()))
-    glue("traj_param_diff", param_diff)
-    glue("traj_final_loss", loss_acc[-1])
-    glue("traj_steps", n_steps)
 fig = plots.lines(curves.reset_index().assign(step=lambda d: d["index"] + 1), x="step", ys=list(curves.columns),
                   styles=["-", "o"], title="Accumulated micro-batches follow the large batch's training run step for step",
                   xlabel="optimizer step", ylabel="loss (nats per token)")
@@ -726,11 +707,6 @@ cost = pd.DataFrame.from_dict(cost_rows, orient="index").join(hf_docs)
 cost
 
 # %%
-if prof.is_full and prof.on_gpu:
-    for label, key in (("bs 4", "bs4"), ("bs 1 x ga 4", "bs1ga4"), ("bs 4 x ga 4", "bs4ga4"), ("bs 16, whole card", "bs16full")):
-        glue(f"cost_{key}_peak_gib", cost.loc[label, "peak allocated (GiB)"])
-        glue(f"cost_{key}_samples_s", cost.loc[label, "samples/s"])
-    glue("cost_bs16_result", cost_rows["bs 16"].get("result", "fits"))
 fig, (ax_mem, ax_speed) = plt.subplots(1, 2, figsize=(11, 4.4))
 x = np.arange(len(cost))
 fits = cost["step time (s)"].notna().to_numpy()
@@ -844,11 +820,6 @@ for label, (micro_size, steps_per_update) in {"bs 16": (16, 1), "bs 4 x ga 4": (
     book_rows[label] = attempt.value if attempt.fits else {"result": f"out of memory ({attempt.error})"}
 book = pd.DataFrame.from_dict(book_rows, orient="index")
 book["LLM book, T4"] = {"bs 16": "out of memory", "bs 4 x ga 4": "10.586 GiB after 1st step"}
-if prof.is_full and prof.on_gpu:
-    glue("book_bs4ga4_first_gib", book.loc["bs 4 x ga 4", "allocated after 1st step (GiB)"])
-    glue("book_bs4ga4_gap_gib", 10.586 - book.loc["bs 4 x ga 4", "allocated after 1st step (GiB)"])
-    glue("book_bs4ga4_peak_gib", book.loc["bs 4 x ga 4", "peak allocated (GiB)"])
-    glue("book_bs16_result", book.loc["bs 16", "result"])
 book
 
 # %% tags=["remove-input"]
@@ -909,9 +880,6 @@ time_epoch("Trainer", lambda: trainer_own.append(trainer.train().metrics["train_
 trainer_own = trainer_own[-10:]  # the timed calls (time_it's warm-up call first)
 cleanup.free(globals(), "trainer", "model")
 epoch = pd.DataFrame(epoch_rows).T
-if prof.is_full and prof.on_gpu:
-    glue("trainer_samples_s", epoch.loc["Trainer", "samples/s"])
-    glue("hand_samples_s", epoch.loc["hand-written loop", "samples/s"])
 epoch
 
 # %% tags=["remove-input"]
@@ -1038,12 +1006,6 @@ pitfall = pd.DataFrame(pitfall_rows).T
 naive, by_hand, by_hf = pitfall.iloc[1], pitfall.iloc[2], pitfall.iloc[3]
 assert naive["gradient: max relative difference"] > 1e-2, "with these lengths the naive loop should be visibly wrong"
 assert by_hand["gradient: max relative difference"] < 1e-4 and by_hf["gradient: max relative difference"] < 1e-4
-if prof.is_full:
-    glue("pit_tokens", ", ".join(str(n_tokens(p)) for p in parts))
-    glue("pit_ref_loss", pitfall.iloc[0, 0])
-    glue("pit_naive_loss", naive.iloc[0])
-    glue("pit_naive_grad", naive.iloc[1])
-    glue("pit_fixed_grad", max(by_hand.iloc[1], by_hf.iloc[1]))
 print(f"tokens per micro-batch: {[n_tokens(p) for p in parts]}, total {total_tokens}")
 pitfall.assign(**{"loss (nats/token)": pitfall["loss (nats/token)"].map("{:.4f}".format),
                   "gradient: max relative difference": pitfall["gradient: max relative difference"].map("{:.1e}".format)})

@@ -65,7 +65,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from helpers import accounting, batching, cleanup, data, measure, models, plots, profiles
-from helpers.glue import glue
 from helpers.measure import GIB, MIB
 
 plots.use_style()
@@ -96,7 +95,6 @@ if profiles.cuda_or_skip("emulating a T4 needs a GPU"):
     t4_budget_gib = budget.budget_gib
     torch._C._cuda_clearCublasWorkspaces()  # the end of the chapter clears them too, so both ends exclude them
     chapter_baseline_mib = torch.cuda.memory_allocated() / MIB
-    glue("t4_budget_gib", t4_budget_gib)
     print(f"emulated T4: {budget.describe()}")
     print(f"{cap.name}: compute capability {cap.major}.{cap.minor}; FlashAttention and bf16 tensor cores: "
           f"{'yes' if cap.flash_attention else 'no'}; 16-bit type for section 4.4: {profiles.amp_dtype()}")
@@ -280,12 +278,6 @@ ks = np.array(divisors)
 check = pd.DataFrame({"k": ks, "measured": [three[f"(c) checkpoint every {k}"]["stored (layer outputs)"] for k in ks],
                       "N/k + k": n_layers / ks + ks}).set_index("k")
 assert (check["measured"] == check["N/k + k"]).all()
-if prof.is_full:
-    glue("chain_n", n_layers)
-    glue("chain_sqrt_n", int(math.isqrt(n_layers)))
-    glue("chain_store_all", int(three.loc["stored (layer outputs)", "(a) store everything"]))
-    glue("chain_sqrt_store", int(check["measured"].min()))
-    glue("chain_recompute_calls", int(three.loc["layer forwards", "(b) recompute from the start"]))
 check.astype(int)
 
 # %%
@@ -429,15 +421,6 @@ block_check["gradients: max rel. difference"] = [0.0, max_rel_diff(ckpt_grads, p
                                                   max_rel_diff(norng_grads, plain_grads)]
 assert block_check.iloc[1, 2] < 1e-5, "checkpointing changed the gradients"
 assert block_check.iloc[2, 2] > 1e-2, "without the RNG state, dropout should draw new masks"
-if prof.is_full:
-    glue("block_input_mib", block_x.numel() * block_x.element_size() / MIB)
-    glue("block_plain_saved_mib", block_check.iloc[0, 0])
-    glue("block_ckpt_saved_mib", block_check.iloc[1, 0])
-    glue("block_ckpt_grad_diff", block_check.iloc[1, 2])
-    glue("block_norng_grad_diff", block_check.iloc[2, 2])
-    if prof.on_gpu:
-        glue("block_plain_peak_mib", block_check.iloc[0, 1])
-        glue("block_ckpt_peak_mib", block_check.iloc[1, 1])
 block_check.assign(**{"gradients: max rel. difference": block_check.iloc[:, 2].map("{:.1e}".format)})
 
 # %% [markdown]
@@ -648,11 +631,6 @@ summary.loc[summary["checkpointed vs plain"] == "faster", "measured vs predicted
 if prof.on_gpu:
     summary["fits T4 plain"] = summary["peak, plain (GiB)"] <= t4_budget_gib
     summary["fits T4 checkpointed"] = summary["peak, checkpointed (GiB)"] <= t4_budget_gib
-if prof.is_full and prof.on_gpu:
-    for key, name in (("bert", "bert-large-uncased"), ("llm", "polyglot-ko-1.3b")):
-        part = summary.loc[name]
-        glue(f"{key}_saved_pct_max", part["memory saved (%)"].max())
-        glue(f"{key}_overhead_pct_mean", part["time overhead (%)"].mean())
 summary.drop(columns=["verdict, checkpointed"]).style.format(precision=2, na_rep="—")
 
 # %%
@@ -872,10 +850,6 @@ for label, on in (("bs 16", False), ("bs 16 + checkpointing", True)):
     book_rows[label] = attempt.value if attempt.fits else {"result": f"out of memory ({attempt.error})"}
 book = pd.DataFrame.from_dict(book_rows, orient="index")
 book["LLM book, T4"] = ["out of memory", "10.29 GiB after 1st step"]
-if prof.is_full and prof.on_gpu:
-    glue("book_ckpt_first_gib", book.loc["bs 16 + checkpointing", "allocated after 1st step (GiB)"])
-    glue("book_ckpt_peak_gib", book.loc["bs 16 + checkpointing", "peak allocated (GiB)"])
-    glue("book_plain_result", book_rows["bs 16"].get("result", "fits"))
 book
 
 
@@ -930,8 +904,6 @@ hf = pd.DataFrame(hf_rows).T
 hf["HF docs V100: samples/s"] = [7.75, 5.99]
 hf["HF docs V100: NVML used (MiB)"] = [8681, 6775]
 time_ratio = hf["step time (s)"].iloc[1] / hf["step time (s)"].iloc[0]
-if prof.is_full and prof.on_gpu:
-    glue("hf_time_ratio", time_ratio)
 hf
 
 # %% tags=["remove-input"]
@@ -1052,9 +1024,6 @@ base_ms = stack_table.loc["store everything", "forward + backward (ms)"]
 stack_table["time vs store everything"] = stack_table["forward + backward (ms)"] / base_ms
 stack_cmp = timing.compare(stack_timed, "store everything")
 stack_table["vs store everything"] = [stack_cmp[label]["difference"] for label in stack_table.index]
-if prof.is_full and prof.on_gpu:
-    for label, key in (("recompute whole block", "block"), ("offload to CPU (save_on_cpu)", "offload")):
-        glue(f"stack_{key}_time_ratio", stack_table.loc[label, "time vs store everything"])
 stack_table
 
 # %%

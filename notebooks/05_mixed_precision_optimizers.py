@@ -62,7 +62,6 @@ import pandas as pd
 import torch
 
 from helpers import accounting, cleanup, data, estimates, flops, measure, models, plan, plots, profiles, train
-from helpers.glue import glue
 from helpers.measure import GIB, MIB
 
 plots.use_style()
@@ -319,7 +318,6 @@ mp = pd.DataFrame({
     for r, v in runs.items()
 }).T
 mp["speed-up vs fp32"] = mp.loc["fp32", "step (ms)"] / mp["step (ms)"]
-glue("mp_half_speedup", mp.loc[HALF, "speed-up vs fp32"])
 mp
 
 # %%

@@ -69,7 +69,6 @@ from torch import nn
 from transformers.utils import logging as hf_logging
 
 from helpers import accounting, cleanup, data, estimates, measure, models, plots, profiles, train
-from helpers.glue import glue
 from helpers.measure import GIB, MIB
 
 hf_logging.disable_progress_bar()  # from_pretrained and save_pretrained draw no progress bars
@@ -188,7 +187,6 @@ lora_counts = pd.Series({
     "trainable parameters": f"{trainable:,}", "by formula: sum of r (d_in + d_out)": f"{by_formula:,}",
     "trainable share": f"{100 * trainable / n_base:.3f} %",
 })
-glue("lora_trainable", trainable)
 lora_counts
 
 # %% tags=["remove-input"]
@@ -535,7 +533,6 @@ for name, (build, steps) in CONFIGS.items():
               f"{torch.cuda.memory_allocated() / MIB:,.0f} MiB")
 ft = pd.DataFrame(results).T
 ok_rows = ft[ft["result"] == "ok"].index
-glue("ft_configs_ok", len(ok_rows))
 ft.drop(columns=["run (s)"])
 
 # %%
