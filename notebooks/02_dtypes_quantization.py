@@ -579,7 +579,9 @@ errors
 
 # %% [markdown]
 # And what each costs to compute, timed on the CPU (where these tensors live) for the normal data, with
-# `timing.time_it` (chapter 8): a warm-up call, then ten timed calls, the median with its interquartile range:
+# `timing.time_it` (chapter 8): a warm-up call, then ten timed calls, the median with its interquartile range.
+# The one comparison the text draws, quantile against absmax, is timed with `timing.interleaved` (chapter 8):
+# the two run in alternating rounds, and the median of the per-round ratios comes with a 95% interval:
 
 # %%
 quantizers = {"absmax": absmax_quantize, "zero-point": zeropoint_quantize, "block-wise, 64": blockwise_quantize,
@@ -588,7 +590,8 @@ quantize_t = {name: timing.time_it(lambda f=f: f(normal), device="cpu", warmup=1
               for name, f in quantizers.items()}
 quantize_ms = pd.DataFrame({name: {"median (ms)": t.wall.median * 1e3, "IQR (ms)": t.wall.iqr * 1e3}
                             for name, t in quantize_t.items()}).T.rename_axis("quantize 2**20 values, CPU")
-quantile_vs_absmax = timing.compare({k: quantize_t[k] for k in ("absmax", "quantile")}, baseline="absmax")["quantile"]
+quantile_vs_absmax = timing.interleaved(lambda: absmax_quantize(normal), lambda: quantile_quantize(normal),
+                                        device="cpu", names=("absmax", "quantile"), warmup=1)
 quantize_ms
 
 # %% [markdown]
@@ -640,7 +643,20 @@ fig.tight_layout()
 mse_normal = mse.xs("(a) normal", level="data")
 rank = int((mse_normal < mse_normal["quantile"]).sum())  # how many schemes beat quantile on normal data
 worst = "the *worst* of the four" if rank == 3 else f"worse than {rank} of the other three"
-slow = quantize_ms.loc["quantile", "median (ms)"] / quantize_ms.loc["absmax", "median (ms)"]
+
+
+def times(x):
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def times_as_long(c):
+    """'took 758 times as long as absmax (95% interval 700–800 times, 15 interleaved rounds)': b against a."""
+    if c.verdict != "slower":
+        return f"took about as long as {c.a_name} ({c.phrase()})"
+    return (f"took {times(1 / c.speedup)} times as long as {c.a_name} (95% interval {times(1 / c.hi)}–"
+            f"{times(1 / c.lo)} times, {c.rounds} interleaved rounds)")
+
+
 display(Markdown(
     f"On normal data absmax uses {codes_used[('(a) normal', 'absmax')]} of the 256 codes: the largest of a million "
     "normal values sits near 5 standard deviations, so most values crowd the middle codes. With outliers it uses only "
@@ -655,8 +671,8 @@ display(Markdown(
     "outliers the top and bottom bins mix the values of 50 with the largest normal values, and both are "
     f"reconstructed badly (worst error {errors.loc[('(b) normal + outliers', 'quantile'), 'max error']:.1f}). Using "
     "every code is not the same as using them well: the argument counts codes, the error counts distances. "
-    f"Quantile quantization also took {slow:.0f} times as long as absmax here "
-    f"({quantile_vs_absmax['difference']} by the IQRs; a full sort) and stores a 256-entry table per tensor. NF4, "
+    f"Quantile quantization also {times_as_long(quantile_vs_absmax)} here (a full sort) and stores a 256-entry "
+    "table per tensor. NF4, "
     "below, keeps the good half of the idea: fixed levels at the quantiles of a *normal* distribution, combined "
     "with block-wise absmax scaling.\n\n"
     "How large should the blocks be? Smaller blocks isolate outliers better but store more scales:"
@@ -823,37 +839,48 @@ else:
            ": this bitsandbytes did not route the outlier columns differently.")))
 
 # %% [markdown]
-# Speed is the other side of the bargain. On a GPU we time a forward pass of each layer at this shape with
-# `timing.time_it` (ten timed calls after warm-up, GPU-busy from the profiler) and compare each with the
-# 16-bit layer, counting a difference only when it is larger than the interquartile ranges:
+# Speed is the other side of the bargain. On a GPU we time a forward pass of each layer at this shape against
+# the 16-bit layer with `timing.interleaved` (chapter 8): the two layers run in alternating rounds, each sample
+# ten calls back to back (as a model's layers run, so the GPU stays busy and the time is the kernels' own),
+# and the speed-up is the median of the per-round ratios with its 95% interval. A layer counts as faster or
+# slower only when the whole interval lies beyond ±3%:
 
 # %%
 if profiles.cuda_or_skip("kernel timings are only meaningful on the GPU"):
-    layer_t = {}
     with torch.no_grad():
-        for name, layer in layers.items():
-            layer_t[name] = timing.time_it(lambda layer=layer: layer(x_in), device="cuda", warmup=3, repeat=10)
-    vs_ref = timing.compare(layer_t, baseline=REF)
-    speed = pd.DataFrame({name: {**t.summary(), f"x {REF}'s time": 1 / vs_ref[name]["speed-up"],
-                                 f"vs {REF}": vs_ref[name]["difference"]} for name, t in layer_t.items()}).T
-    display(speed[["wall median (ms)", "wall IQR (ms)", "GPU busy", f"x {REF}'s time", f"vs {REF}", "verdict"]])
+        vs_ref = {name: timing.interleaved(lambda: layers[REF](x_in), lambda layer=layer: layer(x_in), device="cuda",
+                                           names=(REF, name), loop=10)
+                  for name, layer in layers.items() if name != REF}
+    speed = pd.DataFrame({name: c.row() for name, c in vs_ref.items()}).T
+    display(speed)
 
 # %% tags=["remove-input"]
-if prof.on_gpu:
+def layer_speed_sentence(cmps, ref, tokens, d_in):
+    """The quantized layers' time against the 16-bit layer's, from interleaved comparisons."""
     def said(name):
-        ratio = 1 / vs_ref[name]["speed-up"]
-        if vs_ref[name]["difference"] == "within the noise":
-            return f"{name} is within the noise of {REF} ({ratio:.2f} times its time)"
-        return f"{name} takes {ratio:.1f} times as long as {REF}"
+        c = cmps[name]
+        if c.verdict == "slower":
+            return (f"{name} takes {1 / c.speedup:.2f} times as long as {ref} (95% interval {1 / c.hi:.2f}–"
+                    f"{1 / c.lo:.2f} times, {c.rounds} interleaved rounds)")
+        return f"{name} against {ref}: {c.phrase()}"
 
-    bound = {name: t.verdict for name, t in layer_t.items()}
+    base = cmps[next(iter(cmps))].a
+    regime = ("so these are the kernels' own costs" if base.verdict == "GPU-bound" else
+              "so part of these times is the host's, and a faster CPU would show the kernels' costs more clearly")
+    return (f"At {tokens:,} tokens x {d_in:,} features, "
+            + "; ".join(said(n) for n in ("LLM.int8(), threshold 6", "NF4") if n in cmps)
+            + f". The {ref} product is {base.verdict} ({base.evidence}), {regime}. ")
+
+
+if prof.on_gpu:
     display(Markdown(
-        f"At {tokens:,} tokens x {d_in:,} features, " + "; ".join(said(n) for n in ("LLM.int8(), threshold 6", "NF4"))
-        + f" (the {REF} product is {bound[REF]}, {layer_t[REF].evidence}). "
-        "Quantized layers save memory, not time: the 4-bit weights are dequantized to 16 bits before a regular matrix "
-        "product (for many tokens), and LLM.int8() pays for its outlier decomposition and scaling. Where the weights "
-        "are read once per token (generation with a small batch), memory bandwidth dominates and the smaller weights "
-        "can win; training and prefill are not that case."
+        layer_speed_sentence(vs_ref, REF, tokens, d_in)
+        + ("Quantized layers save memory, not time: " if all(c.verdict == "slower" for c in vs_ref.values()) else
+           "Quantized layers are not meant to save time: ")
+        + "the 4-bit weights are dequantized to 16 bits before a regular "
+        "matrix product (for many tokens), and LLM.int8() pays for its outlier decomposition and scaling. Where the "
+        "weights are read once per token (generation with a small batch), memory bandwidth dominates and the smaller "
+        "weights can win; training and prefill are not that case."
     ))
 else:
     print("skipped on CPU: kernel timings are only meaningful on the GPU")
