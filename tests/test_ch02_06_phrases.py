@@ -104,3 +104,69 @@ def test_ch02_layer_speed_host_share():
     f = chapter_functions("02_dtypes_quantization", "layer_speed_sentence")["layer_speed_sentence"]
     cmps = {"NF4": comparison(1 / 1.2, names=("bf16", "NF4"), busy_a=0.6, host_share=0.7)}
     assert "part of these times is the host's" in f(cmps, "bf16", 64, 256)
+
+
+# --- chapter 4 -----------------------------------------------------------------------------------------------
+def ch04_summary(f, cases):
+    """A section-4.3 summary for one model from ``cases``: batch -> (speed-up, busy plain, busy ckpt, predicted %)."""
+    import numpy as np
+
+    index = pd.MultiIndex.from_tuples([("m", b) for b in cases], names=["model", "batch"])
+    summary = pd.DataFrame({
+        "predicted: layer forward / step (%)": [v[3] for v in cases.values()],
+        "GPU work added (ms)": [30.0] * len(cases), "layer forward GPU work (ms)": [32.0] * len(cases),
+        "GPU busy, plain": np.nan, "GPU busy, checkpointed": np.nan, "verdict, checkpointed": "—",
+    }, index=index)
+    cmps = {("m", b): comparison(v[0], names=("plain", "checkpointed"), busy_a=v[1], busy_b=v[2],
+                                 host_share=0.9 if v[2] < 0.5 else 0.3) for b, v in cases.items()}
+    return f["overhead_columns"](summary, cmps)
+
+
+def test_ch04_price_lines_every_branch():
+    class Prof:
+        on_gpu = True
+
+    f = chapter_functions("04_gradient_checkpointing", "overhead_columns", "price_lines", "gpu_limit_sentence",
+                          prof=Prof(), np=__import__("numpy"))
+    cases = {4: (1 / 1.47, 0.96, 0.86, 29.0),   # costs more, not host-bound, idler with checkpointing
+             8: (1 / 1.30, 0.98, 0.98, 30.0),   # agrees
+             16: (1 / 1.60, 0.40, 0.30, 30.0),  # costs more, host-bound
+             32: (1 / 1.10, 0.90, 0.97, 30.0),  # costs less, busier
+             64: (1.2, 0.40, 0.45, 30.0)}       # faster: host noise
+    summary = ch04_summary(f, cases)
+    assert list(summary["measured vs predicted"]) == ["costs more", "agrees", "costs more", "costs less", "costs less"]
+    summary.loc[summary["checkpointed vs plain"] == "faster", "measured vs predicted"] = "faster than plain"
+    text = "\n".join(f["price_lines"]("m", summary.loc["m"], pd.Series(0.1, index=list(cases))))
+    assert "times the half-width of its 95% interval" in text and "that waiting is part of the cost" in text
+    assert "host-bound (GPU busy 30% with checkpointing)" in text
+    assert "measured *faster*" in text and "rose from 90% to 97%" in text
+    assert "2 of the rows above), checkpointing cost 10 to 30% here" in f["gpu_limit_sentence"](summary)  # batch 4 idles
+    assert "None of these" in f["gpu_limit_sentence"](summary.iloc[2:3])
+
+
+def test_ch04_guide_pair_stack_and_offload():
+    f = chapter_functions("04_gradient_checkpointing", "guide_pair_sentence", "fastest_title", "halves_sentence",
+                          "whole_block_sentence", "offload_sentence", "offload_step_phrase", MIB=2**20)
+    host = comparison(1 / 1.64, names=("plain", "ckpt"), busy_a=0.45, busy_b=0.37, host_share=0.95)
+    text = f["guide_pair_sentence"](host, 1.0, "H100")
+    assert "1.64 times as slow" in text and "µs of this host's time" in text and "faster CPU" in text
+    assert "no difference beyond the noise" in f["guide_pair_sentence"](comparison(1.0), 0.8, "H100")
+    cmps = {k: comparison(1 / r, names=("store everything", k)) for k, r in
+            [("recompute attention", 1.13), ("recompute MLP", 1.17), ("recompute whole block", 1.33),
+             ("offload to CPU (save_on_cpu)", 5.0)]}
+    tied = comparison(1 / 1.01, names=("recompute attention", "recompute MLP"))
+    assert f["fastest_title"](cmps, tied).endswith("recompute MLP within the noise of it")
+    assert f["fastest_title"](cmps, comparison(1 / 1.1)).endswith(": recompute attention")
+    kept = {"recompute attention": 736.0, "recompute MLP": 482.0, "recompute whole block": 64.0}
+    for halves, words in ((tied, "no difference beyond the noise"), (comparison(1 / 1.1), "as its FLOPs say"),
+                          (comparison(1.1), "against its FLOPs")):
+        assert words in f["halves_sentence"](kept, halves, 0.38, 0.62, 64)
+    assert "are what the prediction counts" in f["whole_block_sentence"](kept, cmps["recompute whole block"])
+    assert "clearly more" in f["whole_block_sentence"](kept, comparison(1 / 1.99))
+    idle = comparison(1 / 1.99, busy_a=0.48, busy_b=0.31, host_share=0.9)
+    assert "cannot test the 1.33" in f["whole_block_sentence"](kept, idle)
+    off = pd.Series({"peak above weights (MiB)": 368.0, "stored at the timing batch (MiB)": 8728.0})
+    assert "GB/s or more" in f["offload_sentence"](0.0, off, cmps["offload to CPU (save_on_cpu)"], 64, 8)
+    slow = comparison(1 / 1.1, names=("checkpointing", "checkpointing + offload"), busy_a=0.95, busy_b=0.8)
+    assert "waits for the copies" in f["offload_step_phrase"](slow)
+    assert "waits" not in f["offload_step_phrase"](comparison(1.0))
