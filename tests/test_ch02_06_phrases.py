@@ -9,6 +9,7 @@ and ``timing.Timed`` objects.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 from pathlib import Path
 
@@ -170,3 +171,39 @@ def test_ch04_guide_pair_stack_and_offload():
     slow = comparison(1 / 1.1, names=("checkpointing", "checkpointing + offload"), busy_a=0.95, busy_b=0.8)
     assert "waits for the copies" in f["offload_step_phrase"](slow)
     assert "waits" not in f["offload_step_phrase"](comparison(1.0))
+
+
+# --- chapter 5 -----------------------------------------------------------------------------------------------
+def test_ch05_precision_sentences():
+    f = chapter_functions("05_mixed_precision_optimizers", "small_step_text", "big_step_text", GIB=2**30)
+    host = comparison(0.65, names=("fp32", "bf16"), busy_a=0.83, busy_b=0.2, host_share=0.99)
+    text = f["small_step_text"](host, "bf16", 1024, 3.1, 303e6)
+    assert "0.65×, slower than fp32" in text and "µs each on this host" in text and "reader's CPU" in text
+    gpu = comparison(1.0, names=("fp32", "bf16"))
+    assert "not host-bound here" in f["small_step_text"](gpu, "bf16", 1024, 3.1, 303e6)
+    cmps = {"tf32": comparison(2.8, names=("fp32", "tf32")), "fp16": comparison(5.6, names=("fp32", "fp16"),
+                                                                                busy_b=0.80),
+            "bf16": comparison(5.8, names=("fp32", "bf16"), busy_b=0.88)}
+    c16 = cmps["fp16"]  # fp16's kernels as long as bf16's, its GPU idler: the GradScaler's sync
+    cmps["fp16"] = timing.Comparison(c16.a_name, c16.b_name, c16.a,
+                                     dataclasses.replace(c16.b, kernel_s=cmps["bf16"].b.kernel_s), c16.ratios,
+                                     c16.gpu_ratios)
+    text = f["big_step_text"](cmps, "bf16", 16384)
+    assert "5.80×, faster than fp32" in text and "tf32 at 2.8×" in text and "fp16 at 5.6×" in text
+    assert "`GradScaler.step` reads" in text
+
+
+def test_ch05_optimizers_repeat_and_empty_cache():
+    f = chapter_functions("05_mixed_precision_optimizers", "optimizer_speed_text", "repeat_text", "empty_cache_cost")
+    cmps = {"AdamW (foreach)": comparison(0.46, names=("AdamW (fused)", "AdamW (foreach)")),
+            "SGD + momentum": comparison(1.03, names=("AdamW (fused)", "SGD + momentum"), spread=0.05),
+            "8-bit AdamW (bnb)": comparison(0.2, names=("AdamW (fused)", "8-bit AdamW (bnb)"), busy_b=0.3,
+                                            host_share=0.9)}
+    text = f["optimizer_speed_text"](cmps)
+    assert "AdamW (foreach) 21.7 ms, 2.17 times fused AdamW's time" in text
+    assert "SGD + momentum 9.71 ms, within 10% of fused AdamW's time" in text
+    assert "launches at about" in text and "host-bound ones (8-bit AdamW (bnb))" in text
+    assert "times the larger IQR" in f["repeat_text"](timed(113.0), timed(102.0), "bf16")
+    for c, words in ((comparison(1 / 1.04), "costs less than that"), (comparison(1 / 1.2), "costs more than that"),
+                     (comparison(1 / 1.1, spread=0.1), "consistent with")):
+        assert words in f["empty_cache_cost"](c)
