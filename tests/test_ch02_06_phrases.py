@@ -207,3 +207,24 @@ def test_ch05_optimizers_repeat_and_empty_cache():
     for c, words in ((comparison(1 / 1.04), "costs less than that"), (comparison(1 / 1.2), "costs more than that"),
                      (comparison(1 / 1.1, spread=0.1), "consistent with")):
         assert words in f["empty_cache_cost"](c)
+
+
+# --- chapter 6 -----------------------------------------------------------------------------------------------
+def test_ch06_lora_speed_and_ranks():
+    names = {"FTMIX": "full fine-tuning (bf16 autocast)", "LORA": "LoRA r=8 (bf16 base)",
+             "LORA8": "LoRA r=8 (bf16 base + 8-bit AdamW)", "QLORA": "QLoRA r=8 (NF4 base + 8-bit AdamW)"}
+    f = chapter_functions("06_lora_qlora", "lora_speed_text", "rank_times_text", **names)
+    ft, lo, l8, q = names["FTMIX"], names["LORA"], names["LORA8"], names["QLORA"]
+    host = dict(busy_a=0.2, busy_b=0.15, host_share=0.95)
+    cmps = {(ft, lo): comparison(0.77, names=(ft, lo), **host),
+            (lo, l8): comparison(0.8, names=(lo, l8), **host),
+            (l8, q): comparison(0.66, names=(l8, q), **host)}
+    text = f["lora_speed_text"](cmps, 24, 1024)
+    assert "0.77×, slower than full fine-tuning" in text and "µs per operation" in text
+    assert "one at a time" in text and "the 4-bit base's cost is host time" in text
+    gpu_bound = {(lo, l8): comparison(1.0, names=(lo, l8)), (l8, q): comparison(0.7, names=(l8, q), busy_b=0.99)}
+    text = f["lora_speed_text"](gpu_bound, 24, 1024)
+    assert "did not fit this GPU together" in text and "the dequantization kernels themselves" in text
+    ms = pd.Series([140.0, 184.0, 154.0], index=[32, 128, 256])
+    assert "do not follow the order" in f["rank_times_text"](ms, timed(138.0).wall, timed(154.0).wall, 8)
+    assert "grow with the rank" in f["rank_times_text"](ms.sort_values(), timed(138.0).wall, timed(140.0).wall, 8)
