@@ -772,17 +772,18 @@ def lora_speed_text(cmps, n_layers, tokens):
             text += (f"At {tokens:,} tokens per step the LoRA step is host-bound: its time is the CPU's time to issue "
                      f"kernels, about {timing.us_per_launch(lo):.0f} µs per operation on this host, and each of the "
                      f"{4 * n_layers} adapted layers adds kernels of its own (the two adapter products, dropout, casts "
-                     f"and the scaling, in the forward and the backward pass). The FLOPs LoRA saves show in the kernel "
-                     f"time, not in the step's; chapter 4 times this model's step at batches from 4 to 32 and shows "
-                     f"where it turns GPU-bound. ")
+                     f"and the scaling, in the forward and the backward pass). "
+                     + ("The FLOPs LoRA saves show in the kernel time, not in the step's; " if lo.kernel_s < ref.kernel_s
+                        else "")
+                     + "chapter 4 times this model's step at batches from 4 to 32 and shows where it turns GPU-bound. ")
         else:
             text += "The step is not host-bound here, so the FLOPs LoRA saves can show in its time. "
     else:
         text += "Full fine-tuning and LoRA did not fit this GPU together, so there is no full step to compare. "
     opt, base = cmps[(LORA, LORA8)], cmps[(LORA8, QLORA)]
     text += (f"One change at a time. The 8-bit optimizer, against fused AdamW on the same adapters: "
-             f"{opt.phrase(what='than fused AdamW')} ({opt.b.kernels_per_call - opt.a.kernels_per_call:+,} GPU "
-             f"operations per step). ")
+             f"{opt.phrase(what='than fused AdamW')}, with {opt.b.kernels_per_call - opt.a.kernels_per_call:+,} GPU "
+             f"operations per step. ")
     if opt.verdict == "slower":
         text += ("bitsandbytes' 8-bit optimizer updates the adapter tensors one at a time, a few launches each, where "
                  "fused AdamW updates them all in a few multi-tensor launches. ")

@@ -228,3 +228,14 @@ def test_ch06_lora_speed_and_ranks():
     ms = pd.Series([140.0, 184.0, 154.0], index=[32, 128, 256])
     assert "do not follow the order" in f["rank_times_text"](ms, timed(138.0).wall, timed(154.0).wall, 8)
     assert "grow with the rank" in f["rank_times_text"](ms.sort_values(), timed(138.0).wall, timed(140.0).wall, 8)
+
+
+def test_ch05_padding():
+    f = chapter_functions("05_mixed_precision_optimizers", "padding_text")["padding_text"]
+    lh = pd.DataFrame({"time (ms)": [3.0, 2.5, 2.6, 2.8], "TFLOP/s": [500.0, 600.0, 580.0, 450.0]},
+                      index=[30522, 30528, 30536, 32000])
+    cmps = {(30522, 30528): comparison(1.2), (30522, 30536): comparison(1.15), (30536, 30528): comparison(1.04)}
+    text = f(lh, cmps, 8192, 2048, "bf16")
+    assert "within 10% of each other" in text and "wave quantization" in text and text.endswith("within a few percent of it):")
+    cmps[(30536, 30528)] = comparison(1.3)
+    assert "the one to use" in f(lh, cmps, 8192, 2048, "bf16")
