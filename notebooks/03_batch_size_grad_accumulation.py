@@ -79,7 +79,10 @@ env.report(prof)
 # dtype so that cuBLAS is loaded. The allocated memory at this point is the chapter's baseline: the last cell
 # checks that the chapter gives everything back. Speed is measured with chapter 8's `timing.time_it` (warm-up,
 # at least ten repeats with their spread, wall, host and GPU clocks, and the fraction of the time the GPU was
-# busy), which this chapter uses before chapter 8 explains it in full.
+# busy), which this chapter uses before chapter 8 explains it in full. Where the text says one configuration is
+# faster or slower than another, the two are timed with `timing.interleaved`: in alternating rounds (A, B, B, A,
+# ...), so that a host whose speed drifts moves both alike; the speed-up is the median of the per-round ratios with
+# its 95% interval, and it counts as faster or slower only when the whole interval lies beyond ±3%.
 
 # %%
 from IPython.display import Markdown, display

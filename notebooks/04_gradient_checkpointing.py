@@ -78,7 +78,9 @@ env.report(prof)
 # baseline, which the last cell checks. We also ask what this GPU can do: fused attention kernels and bf16
 # tensor cores need compute capability 8.0 or newer (`profiles.capability()`), and section 4.4 picks its
 # 16-bit type with `profiles.amp_dtype()` (bf16 there, fp16 on older GPUs such as the T4). Times come from
-# chapter 8's `timing.time_it` (ten repeats after warm-up, with spread, GPU time and the GPU-busy fraction).
+# chapter 8's `timing.time_it` (ten repeats after warm-up, with spread, GPU time and the GPU-busy fraction), and
+# comparisons from `timing.interleaved`: the two sides in alternating rounds, the median of the per-round ratios
+# with its 95% interval, and "faster" or "slower" only when the whole interval lies beyond ±3%.
 
 # %%
 from IPython.display import Markdown, display
