@@ -909,9 +909,9 @@ optim_table
 
 # %%
 model = models.build("bert-large-uncased", head="sequence-classification", seed=0)
-batch = {k: v.to(dev) for k, v in next(iter(train.batches(ds_kw, kw_batch, seed=0))).items()}
+opt_batch = {k: v.to(dev) for k, v in next(iter(train.batches(ds_kw, kw_batch, seed=0))).items()}
 with torch.autocast(dev, dtype=AMP):
-    model(**batch).loss.backward()  # gradients that every optimizer below steps on (each step reuses them)
+    model(**opt_batch).loss.backward()  # gradients that every optimizer below steps on (each step reuses them)
 reference = OPTIMIZERS["AdamW (fused)"][0](model.parameters(), kw_lr)
 opt_cmp = {}
 for name in opt_timed:
@@ -921,7 +921,7 @@ for name in opt_timed:
     opt_cmp[name] = timing.interleaved(reference.step, candidate.step, device=dev, names=("AdamW (fused)", name),
                                        warmup=2, profile_steps=1)  # the warm-up steps create each one's states
     cleanup.free(globals(), "candidate")
-cleanup.free(globals(), "model", "batch", "reference")
+cleanup.free(globals(), "model", "opt_batch", "reference")
 pd.DataFrame({name: c.row() for name, c in opt_cmp.items()}).T
 
 # %%
@@ -1395,12 +1395,12 @@ for every in (None, 1):
 empty_cache = pd.DataFrame(ec_rows).set_index("torch_empty_cache_steps")
 model = models.build("bert-large-uncased", head="sequence-classification", seed=0)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-batch = {k: v.to(dev) for k, v in ds_dummy[:4].items()}
+ec_batch = {k: v.to(dev) for k, v in ds_dummy[:4].items()}
 
 
 def ec_step(empty):
     def step():
-        loss = model(**batch).loss
+        loss = model(**ec_batch).loss
         if empty:
             torch.cuda.empty_cache()  # where the Trainer calls it: after the forward pass (a no-op without CUDA)
         loss.backward()
@@ -1411,7 +1411,7 @@ def ec_step(empty):
 
 ec_cmp = timing.interleaved(ec_step(False), ec_step(True), device=dev, names=("as is", "empty_cache() every step"),
                             rounds=prof.pick(tiny=10, full=15), warmup=2, profile_steps=1)
-cleanup.free(globals(), "model", "optimizer", "batch")
+cleanup.free(globals(), "model", "optimizer", "ec_batch")
 empty_cache
 
 # %% tags=["remove-input"]
