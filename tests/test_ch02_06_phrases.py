@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from helpers import prose, timing
 
@@ -239,3 +240,13 @@ def test_ch05_padding():
     assert "within 10% of each other" in text and "wave quantization" in text and text.endswith("within a few percent of it):")
     cmps[(30536, 30528)] = comparison(1.3)
     assert "the one to use" in f(lh, cmps, 8192, 2048, "bf16")
+
+
+@pytest.mark.parametrize("stem", ["02_dtypes_quantization", "03_batch_size_grad_accumulation",
+                                  "04_gradient_checkpointing", "05_mixed_precision_optimizers", "06_lora_qlora"])
+def test_chapters_compare_interleaved_without_notes(stem):
+    """Chapters 2-6: no block comparison (timing.compare / timing.difference), no glue, no committed-run note."""
+    src = (NOTEBOOKS / f"{stem}.py").read_text()
+    assert "timing.compare(" not in src and "timing.difference(" not in src
+    assert "glue(" not in src
+    assert "committed run" not in src.lower()
