@@ -1289,7 +1289,7 @@ vocabs = [30079, 30080, 30521, 30522, 30528, 30536, 32000]
 lm_head = pd.DataFrame([lm_head_tflops(v, head_hidden, head_tokens, head_dtype) for v in vocabs]).set_index("vocab")
 head_pass = {v: lm_head_pass(v, head_hidden, head_tokens, head_dtype) for v in (30522, 30528, 30536)}
 pad_cmp = {(a, b): timing.interleaved(head_pass[a], head_pass[b], device=dev, names=(f"vocab {a:,}", f"vocab {b:,}"),
-                                      loop=3, busy=False)  # three passes back to back per sample: GPU-bound
+                                      loop=prof.pick(tiny=1, full=3), busy=False)  # full: 3 passes back to back
            for a, b in ((30522, 30528), (30522, 30536), (30536, 30528))}
 cleanup.free(globals(), "head_pass")
 lm_head
