@@ -62,7 +62,6 @@ from IPython.display import Markdown, display
 from transformers import Trainer, TrainingArguments
 
 from helpers import accounting, cleanup, data, estimates, measure, models, plots, profiles, timing
-from helpers.glue import glue
 from helpers.measure import GIB, MIB
 
 plots.use_style()
@@ -97,8 +96,6 @@ model = models.build("bert-large-uncased", head="sequence-classification")
 n_bert = models.n_params(model)
 bert_weights_mib = accounting.param_bytes(model) / MIB
 print(f"{n_bert:,} parameters -> {bert_weights_mib:,.0f} MiB of fp32 weights on {prof.device}")
-glue("bert_params_m", n_bert / 1e6)
-glue("bert_weights_mib", bert_weights_mib)
 
 # %%
 if profiles.cuda_or_skip("NVML reads an NVIDIA GPU's memory"):
@@ -108,12 +105,6 @@ if profiles.cuda_or_skip("NVML reads an NVIDIA GPU's memory"):
     alloc = measure.allocator_mib()
     context_mib, cublas_mib = steps.iloc[1, 1], steps.iloc[2, 1]
     workspace_mib = alloc["allocated_mib"] - bert_weights_mib
-    glue("empty_mib", steps.iloc[0, 0])
-    glue("context_mib", context_mib)
-    glue("cublas_mib", cublas_mib)
-    glue("weights_nvml_mib", steps.iloc[3, 1])
-    glue("weights_alloc_mib", alloc["allocated_mib"])
-    glue("workspace_mib", workspace_mib)
     display(steps)
     print(f"torch allocated {alloc['allocated_mib']:,.0f} MiB, reserved {alloc['reserved_mib']:,.0f} MiB")
 
@@ -185,20 +176,11 @@ pd.DataFrame(trainer_rows).style.format(precision=2, na_rep="—")
 hf_docs_v100 = {"time (s)": 57.82, "samples/s": 8.86, "NVML used (MiB)": 14949}
 comparison = pd.DataFrame({"HF docs, V100 16 GB": hf_docs_v100}
                           | {f"this run, {k} ({prof.name} profile)": v for k, v in trainer_rows.items()})
-eager = trainer_rows["eager attention"]
-if prof.is_full and prof.on_gpu and baseline["result"] == "ok":
-    glue("trainer_time_s", baseline["time (s)"])
-    glue("trainer_samples_s", baseline["samples/s"])
-    glue("trainer_nvml_mib", baseline["NVML used (MiB)"])
-    glue("trainer_peak_mib", baseline["peak allocated (MiB)"])
-    glue("trainer_eager_nvml_mib", eager.get("NVML used (MiB)", float("nan")))
-    glue("trainer_eager_peak_mib", eager.get("peak allocated (MiB)", float("nan")))
-    glue("trainer_speedup", baseline["samples/s"] / hf_docs_v100["samples/s"])
-    glue("trainer_peak_ratio", baseline["peak allocated (MiB)"] / bert_weights_mib)
 comparison.style.format(precision=2, thousands=",", na_rep="—")
 
 # %% tags=["remove-input"]
 if prof.is_full and prof.on_gpu and baseline["result"] == "ok":
+    eager = trainer_rows["eager attention"]
     guide_mib, sdpa_mib = hf_docs_v100["NVML used (MiB)"], baseline["NVML used (MiB)"]
     gap_mib = guide_mib - sdpa_mib
     eager_extra_mib = eager["NVML used (MiB)"] - sdpa_mib if eager["result"] == "ok" else float("nan")
@@ -333,12 +315,6 @@ if prof.on_gpu:
         "time (s)": phases["time_s"],
     })
     peak_phase = check["peak allocated (GiB)"].idxmax()
-    glue("anat_peak_gib", check["peak allocated (GiB)"].max())
-    glue("anat_peak_phase", peak_phase, display_value=False)
-    glue("anat_act_gib", breakdown.loc["2: forward", "activations"])
-    glue("anat_temp_step_gib", breakdown.loc["1: step", "transient"])
-    glue("anat_transient_bwd_gib", breakdown.loc["1: backward", "transient"])
-    glue("anat_other_fwd_gib", breakdown.loc["2: forward", "other"])
     display(check)
 if prof.on_gpu:
     anat_title = f"bert-large, fp32 AdamW, batch 4: the highest peak is phase '{peak_phase}'"
@@ -380,7 +356,6 @@ bpp = pd.DataFrame({
     "counted (bytes/param)": [states[k] / n_bert for k in ("weights", "gradients", "optimizer_states")],
 }, index=["weights", "gradients", "optimizer states"])
 bpp.loc["total"] = bpp.sum()
-glue("fp32_bpp", bpp.loc["total", "counted (bytes/param)"])
 print(bpp.to_string(float_format="{:.2f}".format))
 
 # %% [markdown]
@@ -423,7 +398,6 @@ mp_rows = {
     "fp32 training: saved for backward": saved_fp32.total_bytes / n_bert,
     f"{amp_name} autocast training: saved for backward": amp_saved_bpp,
 }
-glue("amp_saved_bpp", amp_saved_bpp)
 pd.Series(mp_rows, name="bytes per parameter")
 
 # %% tags=["remove-input"]
@@ -464,8 +438,6 @@ if profiles.cuda_or_skip("peak allocated memory is an allocator statistic"):
     infer[f"fp32 weights, frozen, {amp_name} autocast"] = inference_peak_bpp(amp)
     model.to(amp)
     infer[f"{amp_name} weights"] = inference_peak_bpp()
-    glue("infer_amp_bpp", infer[f"fp32 weights, {amp_name} autocast"])
-    glue("infer_frozen_bpp", infer[f"fp32 weights, frozen, {amp_name} autocast"])
     display(pd.Series(infer, name="peak bytes per parameter, inference"))
 
 # %% tags=["remove-input"]
@@ -562,13 +534,6 @@ fig.tight_layout(rect=(0, 0.08, 1, 1))
 # %%
 if prof.is_full:
     row = acts[(acts.batch == 4) & (acts.seq == 512)].set_index("attention")
-    glue("act_eager_mib", row.loc["eager", "measured (MiB/layer)"])
-    glue("act_sdpa_mib", row.loc["sdpa", "measured (MiB/layer)"])
-    glue("act_formula_mib", row.loc["eager", "Korthikanti, eager (MiB/layer)"])
-    glue("act_eager_sbh", row.loc["eager", "measured / sbh"])
-    glue("act_sdpa_sbh", row.loc["sdpa", "measured / sbh"])
-    glue("act_formula_sbh", 34 + 5 * a * 512 / h)
-    glue("act_total_eager_gib", row.loc["eager", "measured (MiB/layer)"] * cfg.num_hidden_layers * MIB / GIB)
 
 # %% tags=["remove-input"]
 if prof.is_full:
@@ -665,7 +630,6 @@ if prof.on_gpu:
 if profiles.cuda_or_skip("emulating the T4's memory needs a GPU; the tiny models run without a cap"):
     budget = measure.t4_budget(nvml_used["before any CUDA call"])
     t4_budget_gib = budget.budget_gib
-    glue("t4_budget_gib", t4_budget_gib)
     print(budget.describe())
 for bs in (4, 8, 16):
     if prof.on_gpu:
@@ -722,13 +686,6 @@ else:
 # %%
 if prof.on_gpu:
     llm_ok = llm[llm.result == "ok"]
-    glue("llm_model_gib", llm_ok["model (GiB)"].iloc[0])
-    glue("llm_states_gib", llm_ok["optimizer (GiB)"].iloc[0])
-    glue("llm_result_16", llm.loc[16, "result"])
-    glue("llm_alloc_after_mib", torch.cuda.memory_allocated() / MIB)
-    glue("llm_peak_phase_4", llm.loc[4, "peak phase"])
-    glue("llm_peak_4", llm.loc[4, "peak (GiB)"])
-    glue("llm_peak_8", llm.loc[8, "peak (GiB)"])
 if profiles.cuda_or_skip("the per-phase peak is an allocator statistic"):
     ph4 = (llm_phases[4][["peak_allocated_mib", "allocated_mib"]] * MIB / GIB).rename(
         columns={"peak_allocated_mib": "peak during the phase", "allocated_mib": "allocated after the phase"})
@@ -822,8 +779,6 @@ if prof.on_gpu:
     for bs in llm.index:
         ok = llm.loc[bs, "result"] == "ok"
         calc[f"measured peak, batch {bs} (GiB)"] = f"{llm.loc[bs, 'peak (GiB)']:.2f}" if ok else llm.loc[bs, "result"]
-    glue("calc_rule_gib", rule_gib)
-    glue("calc_peak4_ratio", llm.loc[4, "peak (GiB)"] / rule_gib)
 pd.Series(calc, name="value").to_frame()
 
 # %% tags=["remove-input"]
@@ -865,7 +820,6 @@ fwd_bwd = timing.time_it(forward_backward, device=prof.device, warmup=3, repeat=
 bwd_s = fwd_bwd.median_s - fwd.median_s
 bwd_fwd_ratio = bwd_s / fwd.median_s
 ratio_noise = (fwd_bwd.wall.iqr + 2 * fwd.wall.iqr) / fwd.median_s  # how far the ratio can move within the IQRs
-glue("bwd_fwd_ratio", bwd_fwd_ratio)
 pd.DataFrame({"forward": fwd.summary(), "forward + backward": fwd_bwd.summary()}).T
 
 # %% tags=["remove-input"]

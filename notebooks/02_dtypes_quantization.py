@@ -59,7 +59,6 @@ from IPython.display import Markdown, display
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, GemmaConfig, MistralConfig
 
 from helpers import accounting, cleanup, models, plots, profiles, timing
-from helpers.glue import glue
 from helpers.measure import GIB, MIB
 
 plots.use_style()
@@ -152,7 +151,6 @@ for value in (0.1, 65504.0, 1e-8):
         stored = torch.tensor(value, dtype=torch.float64).to(dt).to(torch.float64).item()
         rows.append({"value": value, "format": name, "bits": bit_string(value, dt), "stored as": f"{stored:.8g}",
                      "relative error": f"{abs(stored - value) / value:.2e}" if math.isfinite(stored) else "overflow"})
-glue("torch_version", torch.__version__.split("+")[0])
 pd.DataFrame(rows).set_index(["value", "format"])
 
 # %% [markdown]
@@ -168,7 +166,6 @@ fp8_cast = {"CPU": torch.tensor(out_of_range).to(torch.float8_e4m3fn).float().to
 if prof.on_gpu:
     fp8_cast["GPU"] = torch.tensor(out_of_range, device="cuda").to(torch.float8_e4m3fn).float().cpu().tolist()
 e4m3 = fp8_cast["CPU"][out_of_range.index(65504.0)]
-glue("e4m3_65504", str(e4m3))
 pd.DataFrame(fp8_cast, index=[f"{v:g}" for v in out_of_range]).rename_axis("fp32 value cast to e4m3")
 
 # %% tags=["remove-input"]
@@ -264,9 +261,6 @@ act_grads = pd.DataFrame({
 act_grads["zero (%)"] = 100 * act_grads["zero"] / act_grads["entries"]
 act_grads["non-finite (%)"] = 100 * act_grads["non-finite"] / act_grads["entries"]
 underflow_pct = act_grads.loc["fp16 autocast, no scaling", "zero (%)"] - act_grads.loc["fp32", "zero (%)"]
-if prof.is_full:
-    glue("act_grad_zero_fp16_pct", act_grads.loc["fp16 autocast, no scaling", "zero (%)"])
-    glue("act_grad_zero_scaled_pct", act_grads.loc["fp16 autocast, loss x 2**16", "zero (%)"])
 cleanup.free(globals(), "model")
 act_grads[["dtype", "entries", "zero (%)", "non-finite (%)"]].style.format(
     {"entries": "{:,}", "zero (%)": "{:.4f}", "non-finite (%)": "{:.4f}"}, na_rep="—")
@@ -309,8 +303,6 @@ sums = pd.DataFrame(runs, index=range(1, n_terms + 1))
 final = sums.iloc[-1].to_dict() | {
     "torch.sum of fp16 values": torch.full((n_terms,), 0.01, dtype=torch.float16).sum().item(),
 }
-glue("sum_fp16", final["fp16 accumulator"])
-glue("sum_bf16", final["bf16 accumulator"])
 fig = plots.lines(sums.iloc[::50].reset_index(names="terms"), x="terms", ys=list(runs),
                   title=f"Adding 0.01 ten thousand times: fp16 stalls at {final['fp16 accumulator']:g}, "
                         f"bf16 at {final['bf16 accumulator']:g}", xlabel="terms added",
@@ -372,11 +364,6 @@ for name, dt, tf32 in modes:
     }
 torch.backends.cuda.matmul.allow_tf32 = False
 matmul_err = pd.DataFrame(matmul_err).T
-if prof.is_full and prof.on_gpu:
-    for name in matmul_err.index:
-        glue(f"mm_err_{name}", matmul_err.loc[name, "relative error of the product"])
-glue("mm_err_fp32_inputs", matmul_err.loc["fp32", "from rounding the inputs alone"])
-glue("mm_n", n)
 cleanup.free(globals(), "A64", "B64", "C64", "A", "B", "C", "inputs_only", "rounded")
 matmul_err
 
@@ -439,11 +426,6 @@ for name in [*models.REGISTRY, *MORE_7B]:
     size_rows[name] = row
 del meta_model
 sizes = pd.DataFrame(size_rows).T
-glue("llama_params_b", sizes.loc["llama-2-7b", "parameters (B)"])
-glue("llama_bf16_gib", sizes.loc["llama-2-7b", "bf16 (GiB)"])
-glue("llama_bf16_gb", sizes.loc["llama-2-7b", "bf16 (GB = 1e9 B)"])
-glue("mistral_params_b", sizes.loc["Mistral-7B-v0.1", "parameters (B)"])
-glue("gemma_params_b", sizes.loc["gemma-7b", "parameters (B)"])
 sizes
 
 # %% tags=["remove-input"]
@@ -474,7 +456,6 @@ if profiles.cuda_or_skip("the allocator's numbers exist only on a GPU"):
     before = torch.cuda.memory_allocated()
     bf16_model = models.build("polyglot-ko-1.3b", head="causal-lm", dtype=torch.bfloat16)
     built_gib = (torch.cuda.memory_allocated() - before) / GIB
-    glue("built_bf16_gib", built_gib)
     print(f"allocated by the bf16 model: {built_gib:.3f} GiB; table: {sizes.loc['polyglot-ko-1.3b', 'bf16 (GiB)']:.3f} GiB")
     assert abs(built_gib - sizes.loc["polyglot-ko-1.3b", "bf16 (GiB)"]) < 0.01, "the allocator disagrees with the count"
     cleanup.free(globals(), "bf16_model")
@@ -598,7 +579,9 @@ errors
 
 # %% [markdown]
 # And what each costs to compute, timed on the CPU (where these tensors live) for the normal data, with
-# `timing.time_it` (chapter 8): a warm-up call, then ten timed calls, the median with its interquartile range:
+# `timing.time_it` (chapter 8): a warm-up call, then ten timed calls, the median with its interquartile range.
+# The one comparison the text draws, quantile against absmax, is timed with `timing.interleaved` (chapter 8):
+# the two run in alternating rounds, and the median of the per-round ratios comes with a 95% interval:
 
 # %%
 quantizers = {"absmax": absmax_quantize, "zero-point": zeropoint_quantize, "block-wise, 64": blockwise_quantize,
@@ -607,8 +590,8 @@ quantize_t = {name: timing.time_it(lambda f=f: f(normal), device="cpu", warmup=1
               for name, f in quantizers.items()}
 quantize_ms = pd.DataFrame({name: {"median (ms)": t.wall.median * 1e3, "IQR (ms)": t.wall.iqr * 1e3}
                             for name, t in quantize_t.items()}).T.rename_axis("quantize 2**20 values, CPU")
-quantile_vs_absmax = timing.compare({k: quantize_t[k] for k in ("absmax", "quantile")}, baseline="absmax")["quantile"]
-glue("quantile_slowdown", quantize_ms.loc["quantile", "median (ms)"] / quantize_ms.loc["absmax", "median (ms)"])
+quantile_vs_absmax = timing.interleaved(lambda: absmax_quantize(normal), lambda: quantile_quantize(normal),
+                                        device="cpu", names=("absmax", "quantile"), warmup=1)
 quantize_ms
 
 # %% [markdown]
@@ -634,13 +617,6 @@ assert errors.loc[("(b) normal + outliers", "quantile"), "codes used (of 256)"] 
 mse = errors["MSE"]
 assert mse[("(b) normal + outliers", "block-wise, 64")] < mse[("(b) normal + outliers", "absmax")] / 10
 assert mse[("(a) normal", "quantile")] > mse[("(a) normal", "absmax")]
-glue("mse_ratio_outliers", mse[("(b) normal + outliers", "absmax")] / mse[("(b) normal + outliers", "block-wise, 64")])
-glue("codes_absmax_outliers", int(errors.loc[("(b) normal + outliers", "absmax"), "codes used (of 256)"]))
-glue("codes_absmax_normal", int(errors.loc[("(a) normal", "absmax"), "codes used (of 256)"]))
-glue("codes_block_outliers", int(errors.loc[("(b) normal + outliers", "block-wise, 64"), "codes used (of 256)"]))
-glue("mse_quantile_normal", mse[("(a) normal", "quantile")])
-glue("mse_absmax_normal", mse[("(a) normal", "absmax")])
-glue("maxerr_quantile_outliers", errors.loc[("(b) normal + outliers", "quantile"), "max error"])
 print("all quantizer checks passed")
 
 # %% [markdown]
@@ -667,7 +643,20 @@ fig.tight_layout()
 mse_normal = mse.xs("(a) normal", level="data")
 rank = int((mse_normal < mse_normal["quantile"]).sum())  # how many schemes beat quantile on normal data
 worst = "the *worst* of the four" if rank == 3 else f"worse than {rank} of the other three"
-slow = quantize_ms.loc["quantile", "median (ms)"] / quantize_ms.loc["absmax", "median (ms)"]
+
+
+def times(x):
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def times_as_long(c):
+    """'took 758 times as long as absmax (95% interval 700–800 times, 15 interleaved rounds)': b against a."""
+    if c.verdict != "slower":
+        return f"took about as long as {c.a_name} ({c.phrase()})"
+    return (f"took {times(1 / c.speedup)} times as long as {c.a_name} (95% interval {times(1 / c.hi)}–"
+            f"{times(1 / c.lo)} times, {c.rounds} interleaved rounds)")
+
+
 display(Markdown(
     f"On normal data absmax uses {codes_used[('(a) normal', 'absmax')]} of the 256 codes: the largest of a million "
     "normal values sits near 5 standard deviations, so most values crowd the middle codes. With outliers it uses only "
@@ -682,8 +671,8 @@ display(Markdown(
     "outliers the top and bottom bins mix the values of 50 with the largest normal values, and both are "
     f"reconstructed badly (worst error {errors.loc[('(b) normal + outliers', 'quantile'), 'max error']:.1f}). Using "
     "every code is not the same as using them well: the argument counts codes, the error counts distances. "
-    f"Quantile quantization also took {slow:.0f} times as long as absmax here "
-    f"({quantile_vs_absmax['difference']} by the IQRs; a full sort) and stores a 256-entry table per tensor. NF4, "
+    f"Quantile quantization also {times_as_long(quantile_vs_absmax)} here (a full sort) and stores a 256-entry "
+    "table per tensor. NF4, "
     "below, keeps the good half of the idea: fixed levels at the quantiles of a *normal* distribution, combined "
     "with block-wise absmax scaling.\n\n"
     "How large should the blocks be? Smaller blocks isolate outliers better but store more scales:"
@@ -810,11 +799,6 @@ bits = layer_table["bits per weight (codes + scales)"]
 assert abs(bits["NF4"] - (4 + 32 / 64)) < 1e-3, bits["NF4"]
 assert abs(bits["NF4 + double quant"] - (4 + 8 / 64 + 32 / (64 * 256))) < 1e-3, bits["NF4 + double quant"]
 assert abs(bits["LLM.int8(), threshold 6"] - (8 + 32 / d_in)) < 1e-3, bits["LLM.int8(), threshold 6"]
-glue("nf4_bits", bits["NF4"])
-glue("nf4_dq_bits", bits["NF4 + double quant"])
-glue("err_int8", layer_table.loc["LLM.int8(), threshold 6", "relative output error"])
-glue("err_nf4", layer_table.loc["NF4", "relative output error"])
-glue("err_fp4", layer_table.loc["FP4", "relative output error"])
 print("storage matches the formulas")
 
 # %% tags=["remove-input"]
@@ -839,8 +823,6 @@ with torch.no_grad():
     y_ref_out = layers[REF](x_out).float()
     outlier_err = {f"threshold {t}": ((int8_layer(t)(x_out).float() - y_ref_out).norm() / y_ref_out.norm()).item()
                    for t in (0.0, 6.0)}
-glue("int8_err_t0", outlier_err["threshold 0.0"])
-glue("int8_err_t6", outlier_err["threshold 6.0"])
 pd.Series(outlier_err, name="relative output error with outlier features")
 
 # %% tags=["remove-input"]
@@ -857,41 +839,48 @@ else:
            ": this bitsandbytes did not route the outlier columns differently.")))
 
 # %% [markdown]
-# Speed is the other side of the bargain. On a GPU we time a forward pass of each layer at this shape with
-# `timing.time_it` (ten timed calls after warm-up, GPU-busy from the profiler) and compare each with the
-# 16-bit layer, counting a difference only when it is larger than the interquartile ranges:
+# Speed is the other side of the bargain. On a GPU we time a forward pass of each layer at this shape against
+# the 16-bit layer with `timing.interleaved` (chapter 8): the two layers run in alternating rounds, each sample
+# ten calls back to back (as a model's layers run, so the GPU stays busy and the time is the kernels' own),
+# and the speed-up is the median of the per-round ratios with its 95% interval. A layer counts as faster or
+# slower only when the whole interval lies beyond ±3%:
 
 # %%
-glue("tokens_n", tokens)
-glue("dim_n", d_in)
 if profiles.cuda_or_skip("kernel timings are only meaningful on the GPU"):
-    layer_t = {}
     with torch.no_grad():
-        for name, layer in layers.items():
-            layer_t[name] = timing.time_it(lambda layer=layer: layer(x_in), device="cuda", warmup=3, repeat=10)
-    vs_ref = timing.compare(layer_t, baseline=REF)
-    speed = pd.DataFrame({name: {**t.summary(), f"x {REF}'s time": 1 / vs_ref[name]["speed-up"],
-                                 f"vs {REF}": vs_ref[name]["difference"]} for name, t in layer_t.items()}).T
-    glue("slow_int8", 1 / vs_ref["LLM.int8(), threshold 6"]["speed-up"])
-    glue("slow_nf4", 1 / vs_ref["NF4"]["speed-up"])
-    display(speed[["wall median (ms)", "wall IQR (ms)", "GPU busy", f"x {REF}'s time", f"vs {REF}", "verdict"]])
+        vs_ref = {name: timing.interleaved(lambda: layers[REF](x_in), lambda layer=layer: layer(x_in), device="cuda",
+                                           names=(REF, name), loop=10)
+                  for name, layer in layers.items() if name != REF}
+    speed = pd.DataFrame({name: c.row() for name, c in vs_ref.items()}).T
+    display(speed)
 
 # %% tags=["remove-input"]
-if prof.on_gpu:
+def layer_speed_sentence(cmps, ref, tokens, d_in):
+    """The quantized layers' time against the 16-bit layer's, from interleaved comparisons."""
     def said(name):
-        ratio = 1 / vs_ref[name]["speed-up"]
-        if vs_ref[name]["difference"] == "within the noise":
-            return f"{name} is within the noise of {REF} ({ratio:.2f} times its time)"
-        return f"{name} takes {ratio:.1f} times as long as {REF}"
+        c = cmps[name]
+        if c.verdict == "slower":
+            return (f"{name} takes {1 / c.speedup:.2f} times as long as {ref} (95% interval {1 / c.hi:.2f}–"
+                    f"{1 / c.lo:.2f} times, {c.rounds} interleaved rounds)")
+        return f"{name} against {ref}: {c.phrase()}"
 
-    bound = {name: t.verdict for name, t in layer_t.items()}
+    base = cmps[next(iter(cmps))].a
+    regime = ("so these are the kernels' own costs" if base.verdict == "GPU-bound" else
+              "so part of these times is the host's, and a faster CPU would show the kernels' costs more clearly")
+    return (f"At {tokens:,} tokens x {d_in:,} features, "
+            + "; ".join(said(n) for n in ("LLM.int8(), threshold 6", "NF4") if n in cmps)
+            + f". The {ref} product is {base.verdict} ({base.evidence}), {regime}. ")
+
+
+if prof.on_gpu:
     display(Markdown(
-        f"At {tokens:,} tokens x {d_in:,} features, " + "; ".join(said(n) for n in ("LLM.int8(), threshold 6", "NF4"))
-        + f" (the {REF} product is {bound[REF]}, {layer_t[REF].evidence}). "
-        "Quantized layers save memory, not time: the 4-bit weights are dequantized to 16 bits before a regular matrix "
-        "product (for many tokens), and LLM.int8() pays for its outlier decomposition and scaling. Where the weights "
-        "are read once per token (generation with a small batch), memory bandwidth dominates and the smaller weights "
-        "can win; training and prefill are not that case."
+        layer_speed_sentence(vs_ref, REF, tokens, d_in)
+        + ("Quantized layers save memory, not time: " if all(c.verdict == "slower" for c in vs_ref.values()) else
+           "Quantized layers are not meant to save time: ")
+        + "the 4-bit weights are dequantized to 16 bits before a regular "
+        "matrix product (for many tokens), and LLM.int8() pays for its outlier decomposition and scaling. Where the "
+        "weights are read once per token (generation with a small batch), memory bandwidth dominates and the smaller "
+        "weights can win; training and prefill are not that case."
     ))
 else:
     print("skipped on CPU: kernel timings are only meaningful on the GPU")
@@ -952,17 +941,6 @@ expected = {
 }
 whole["expected (GiB)"] = pd.Series(expected) / GIB
 linear_share = linear_params / models.n_params(meta)
-if prof.is_full and prof.on_gpu:
-    glue("whole_bf16_gib", whole.loc[REF, "allocated (GiB)"])
-    glue("whole_int8_gib", whole.loc["int8 (LLM.int8())", "allocated (GiB)"])
-    glue("whole_nf4_gib", whole.loc["4-bit NF4 + double quant", "allocated (GiB)"])
-    glue("whole_nf4_footprint_gib", whole.loc["4-bit NF4 + double quant", "get_memory_footprint (GiB)"])
-    glue("whole_nf4_expected_gib", whole.loc["4-bit NF4 + double quant", "expected (GiB)"])
-    glue("whole_nf4_bpp", whole.loc["4-bit NF4 + double quant", "bytes per parameter"])
-    glue("whole_int8_bpp", whole.loc["int8 (LLM.int8())", "bytes per parameter"])
-    glue("linear_share", linear_share)
-    glue("whole_int8_logit_err", whole.loc["int8 (LLM.int8())", f"logits: relative difference from {REF}"])
-    glue("whole_nf4_logit_err", whole.loc["4-bit NF4 + double quant", f"logits: relative difference from {REF}"])
 del meta, head
 whole[[c for c in ["allocated (GiB)", "expected (GiB)", "get_memory_footprint (GiB)", "bytes per parameter"] if c in whole]]
 
@@ -1012,8 +990,6 @@ for name, make in [("torch.optim.AdamW", torch.optim.AdamW), ("bnb.optim.AdamW8b
     state_bytes[name] = accounting.optimizer_state_bytes(optimizer) / models.n_params(model)
     cleanup.free(globals(), "model", "optimizer")
 state_bytes = pd.Series(state_bytes, name="optimizer-state bytes per parameter")
-glue("adamw_bpp", state_bytes["torch.optim.AdamW"])
-glue("adamw8bit_bpp", state_bytes["bnb.optim.AdamW8bit"])
 state_bytes
 
 # %% tags=["remove-input"]

@@ -52,6 +52,8 @@ from helpers import env
 
 env.quiet()  # warnings without file paths, no progress bars: outputs that read the same everywhere
 
+import contextlib
+import io
 import time
 from contextlib import nullcontext
 
@@ -62,8 +64,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Trainer, TrainingArguments
 
-from helpers import accounting, batching, cleanup, data, flops, measure, models, plots, profiles, train
-from helpers.glue import glue
+from helpers import accounting, batching, cleanup, data, flops, measure, models, plots, profiles, steps, train
 from helpers.measure import GIB, MIB
 
 plots.use_style()
@@ -78,12 +79,15 @@ env.report(prof)
 # dtype so that cuBLAS is loaded. The allocated memory at this point is the chapter's baseline: the last cell
 # checks that the chapter gives everything back. Speed is measured with chapter 8's `timing.time_it` (warm-up,
 # at least ten repeats with their spread, wall, host and GPU clocks, and the fraction of the time the GPU was
-# busy), which this chapter uses before chapter 8 explains it in full.
+# busy), which this chapter uses before chapter 8 explains it in full. Where the text says one configuration is
+# faster or slower than another, the two are timed with `timing.interleaved`: in alternating rounds (A, B, B, A,
+# ...), so that a host whose speed drifts moves both alike; the speed-up is the median of the per-round ratios with
+# its 95% interval, and it counts as faster or slower only when the whole interval lies beyond ±3%.
 
 # %%
 from IPython.display import Markdown, display
 
-from helpers import timing
+from helpers import prose, timing
 
 t4_budget_gib, chapter_baseline_mib = None, 0.0
 if profiles.cuda_or_skip("emulating a T4 needs a GPU"):
@@ -94,7 +98,6 @@ if profiles.cuda_or_skip("emulating a T4 needs a GPU"):
     t4_budget_gib = budget.budget_gib
     torch._C._cuda_clearCublasWorkspaces()  # the end of the chapter clears them too, so both ends exclude them
     chapter_baseline_mib = torch.cuda.memory_allocated() / MIB
-    glue("t4_budget_gib", t4_budget_gib)
     print(f"emulated T4: {budget.describe()}")
     print(f"allocated at the start (the chapter's baseline): {chapter_baseline_mib:,.1f} MiB")
 
@@ -107,9 +110,20 @@ if profiles.cuda_or_skip("emulating a T4 needs a GPU"):
 # that pure fp16 AdamW breaks training; for memory and time it is the LLM book's setup, so we keep it). The data
 # are random token ids: memory and time do not depend on them.
 #
-# Two small functions carry the whole chapter. `make_batch` builds a batch; `train_step` is one plain
-# training step. Its `finally` clause matters later: a step that fails half-way must not leave gradients
-# behind.
+# Two small functions carry the whole chapter, both from the book's `helpers.steps`: `steps.batch_for` builds a
+# batch of random sequences on the device (`make_batch` below only picks the task and length of each model),
+# and `steps.train_step` is one plain training step:
+#
+# ```python
+# def train_step(model, optimizer, batch):
+#     try:
+#         model(**batch).loss.backward()
+#         optimizer.step()
+#     finally:
+#         optimizer.zero_grad(set_to_none=True)
+# ```
+#
+# Its `finally` clause matters later: a step that fails half-way must not leave gradients behind.
 
 # %%
 SETUPS = {
@@ -129,19 +143,9 @@ def build(name, seed=0):
 
 
 def make_batch(name, batch_size, seed=0):
-    """``batch_size`` random sequences for model ``name``, on the profile's device."""
+    """``batch_size`` random sequences for model ``name``, on the profile's device (``steps.batch_for``)."""
     task = "classification" if SETUPS[name]["head"] == "sequence-classification" else "causal-lm"
-    ds = data.dummy_dataset(batch_size, SETUPS[name]["seq_len"], task=task, seed=seed)
-    return {k: v.to(prof.device) for k, v in ds[:].items()}
-
-
-def train_step(model, optimizer, batch):
-    """forward, backward, optimizer step; the gradients are dropped even when the step fails."""
-    try:
-        model(**batch).loss.backward()
-        optimizer.step()
-    finally:
-        optimizer.zero_grad(set_to_none=True)
+    return steps.batch_for(task, batch_size, SETUPS[name]["seq_len"], prof.device, seed=seed)
 
 
 # %% [markdown]
@@ -155,14 +159,17 @@ def train_step(model, optimizer, batch):
 #
 # The sweep doubles the batch until throughput stops growing (two doublings in a row that each add less than
 # 5%), memory runs out (shown as a marker), the batch reaches the sweep's largest, or the next point would
-# overrun the section's time budget.
+# overrun the section's time budget. The sweep's points are timed one after the other, so two of them can differ
+# by the host's drift as well as by the batch. For the one comparison the text draws, batch 1 against batch 4,
+# the two steps are therefore timed with `timing.interleaved` (chapter 8): in alternating rounds, their ratio
+# per round, and the median ratio with its 95% interval.
 
 # %%
 def measure_batch(name, model, optimizer, batch_size):
     """Step time, throughput and memory of one batch size (memory columns are NaN on a CPU)."""
     batch = make_batch(name, batch_size)
     seq_len = SETUPS[name]["seq_len"]
-    timed = timing.time_it(lambda: train_step(model, optimizer, batch), device=prof.device, warmup=1, repeat=10,
+    timed = timing.time_it(lambda: steps.train_step(model, optimizer, batch), device=prof.device, warmup=1, repeat=10,
                            profile_steps=1)
     rec = measure.PhaseRecorder(prof.device)
     try:
@@ -194,7 +201,8 @@ FLAT_GAIN = 1.05  # a doubling of the batch that adds less than 5% samples/s
 FLAT_RUN = 2  # that many such doublings in a row: throughput has flattened
 max_batch, sweep_budget_s = prof.pick(tiny=8, full=256), prof.pick(tiny=10.0, full=35.0)
 CALLS_PER_POINT = 14  # time_it's 1 warm-up + 10 timed + 2 profiled steps, and the phase-by-phase step
-sweep, sweep_timed, sweep_stop = {}, {}, {}
+FLAT_K = 4  # batch 1 against batch 4, interleaved
+sweep, sweep_timed, sweep_stop, flat_cmp = {}, {}, {}, {}
 for name in SETUPS:
     model, optimizer = build(name)
     rows, bs, start, small_gains = {}, 1, time.perf_counter(), 0
@@ -219,8 +227,16 @@ for name in SETUPS:
             bs *= 2
             continue
         break
+    k = max(b for b in rows if b <= FLAT_K and rows[b]["result"] == "fits") if rows[1]["result"] == "fits" else 1
+    if k > 1:
+        one, more = make_batch(name, 1), make_batch(name, k)
+        flat_cmp[name] = timing.interleaved(lambda m=model, o=optimizer, b=one: steps.train_step(m, o, b),
+                                            lambda m=model, o=optimizer, b=more: steps.train_step(m, o, b),
+                                            device=prof.device,
+                                            names=("batch 1", f"batch {k}"), rounds=prof.pick(tiny=10, full=15),
+                                            warmup=1, profile_steps=1)
     sweep[name] = pd.DataFrame.from_dict(rows, orient="index").rename_axis("batch")
-    cleanup.free(globals(), "model", "optimizer", "attempt", "row")
+    cleanup.free(globals(), "model", "optimizer", "attempt", "row", "one", "more")
 sweep["bert-large-uncased"]
 
 # %%
@@ -251,13 +267,6 @@ for name, df in sweep.items():
         "sweep stopped": f"{sweep_stop[name][0]} at batch {sweep_stop[name][1]}",
     }
 fit = pd.DataFrame(fit_rows).T.infer_objects()
-if prof.is_full and prof.on_gpu:
-    for key, name in (("bert", "bert-large-uncased"), ("llm", "polyglot-ko-1.3b")):
-        glue(f"{key}_fixed_fit_gib", fit.loc[name, "fixed part, fitted (GiB)"])
-        glue(f"{key}_per_sample_mib", fit.loc[name, "per sample, fitted (MiB)"])
-        glue(f"{key}_sat_batch", int(fit.loc[name, "batch reaching 95% of best samples/s"]))
-        glue(f"{key}_best_samples_s", fit.loc[name, "best samples/s"])
-        glue(f"{key}_busy_1", sweep[name].loc[1, "GPU busy"])
 fit
 
 # %%
@@ -350,23 +359,31 @@ fig.suptitle("Throughput against the batch size" + (" (labels: GPU busy)" if pro
 fig.tight_layout(rect=(0, 0.08, 1, 1))
 
 # %% tags=["remove-input"]
+def flat_sentence(c):
+    """Batch 1 against batch k, interleaved: how much of the larger batch's samples came for free."""
+    k = int(c.b_name.split()[-1])
+    x, lo_x, hi_x = 1 / c.speedup, 1 / c.hi, 1 / c.lo  # batch k's step time over batch 1's
+    head = (f" Batch {k} carries {k} times the samples, and its step took {x:.2f} times batch 1's time (95% interval "
+            f"{lo_x:.2f}–{hi_x:.2f}, {c.rounds} interleaved rounds): throughput grew {k / x:.1f}-fold")
+    if hi_x < k / (1 + c.threshold):
+        launch = timing.us_per_launch(c.a)
+        cpu = (f" At batch 1 this host spends about {launch:.0f} µs per GPU operation issuing the step: the reader's "
+               "CPU decides how far this part of the curve reaches." if launch else "")
+        return head + ", because the extra samples ride on kernels the GPU was waiting to run." + cpu
+    return head + ": the step time grows with the batch from the start, so the GPU was the limit already at batch 1."
+
+
 if prof.on_gpu:
     lines = []
     for name in SETUPS:
         df = sweep[name].dropna(subset=["step time (s)"])
         b0 = df.index[0]
         r0, t0 = df.loc[b0], sweep_timed[(name, b0)]
-        not_slower = [b for b in df.index
-                      if timing.compare({"a": t0, "b": sweep_timed[(name, b)]}, "a")["b"]["difference"] != "slower"]
-        same_end = max(b for b in not_slower if all(c in not_slower for c in df.index if c <= b))
         regime = (f"the step's Python call returns after {r0['host enqueue (s)'] * 1e3:.0f} ms, an upper bound on "
                   f"what issuing its {t0.kernels_per_call:,} GPU operations costs the CPU (the call also waits "
                   f"when the launch queue is full), and the GPU is busy {r0['GPU busy']:.0%} of the time: "
                   f"*{r0['verdict']}*")
-        flat = (f" Up to batch {same_end} the step time is not slower than batch {b0}'s beyond the noise while the "
-                f"samples per step grow {same_end // b0}-fold: the extra samples ride on kernels the GPU was waiting "
-                f"to run." if same_end > b0 else
-                f" The step time grows beyond the noise from batch {df.index[1]} on.")
+        flat = flat_sentence(flat_cmp[name]) if name in flat_cmp else ""
         why, b_stop = sweep_stop[name]
         best, sat = fit.loc[name, "best samples/s"], int(fit.loc[name, "batch reaching 95% of best samples/s"])
         last = df.index[-1]
@@ -435,19 +452,19 @@ else:
 # whether something leaked.
 #
 # We search with the 1.3B model, first under the emulated T4 budget, then on the whole card. The step is
-# `train_step` above; one step at batch 1 first creates AdamW's states, so that every attempt sees the
+# `steps.train_step` above; one step at batch 1 first creates AdamW's states, so that every attempt sees the
 # memory a real training step sees from its second iteration on.
 
 # %%
 name = "polyglot-ko-1.3b"
 model, optimizer = build(name)
-train_step(model, optimizer, make_batch(name, 1))  # AdamW's states exist from here on
+steps.train_step(model, optimizer, make_batch(name, 1))  # AdamW's states exist from here on
 batching.release()
 baseline_mib = batching.allocated_mib()
 
 
 def polyglot_step(batch_size):
-    train_step(model, optimizer, make_batch(name, batch_size))
+    steps.train_step(model, optimizer, make_batch(name, batch_size))
 
 
 if profiles.cuda_or_skip("a real out-of-memory error needs a GPU; on a CPU the search runs against a simulated limit"):
@@ -478,9 +495,6 @@ if prof.on_gpu:
     deviation_mib = (after - baseline_mib).abs().max()
     assert deviation_mib < 32, f"memory leaked: {deviation_mib:.1f} MiB"  # a leaked step would hold hundreds
     print(f"every attempt left {after.min():,.1f} to {after.max():,.1f} MiB allocated (baseline {baseline_mib:,.1f})")
-    if prof.is_full:
-        glue("search_t4_largest", t4_search.largest)
-        glue("search_full_largest", full_search.largest)
 freed = cleanup.free(globals(), "model", "optimizer")
 
 # %% tags=["remove-input"]
@@ -595,8 +609,6 @@ grad_check = pd.Series({
 }, name=f"max relative difference to one batch of {micro_bs * n_accum}")
 assert grad_check.iloc[0] < 1e-4, "accumulated gradients differ from the large batch's"
 assert grad_check.iloc[1] > 1.0, "the control should be off by a factor of N"
-if prof.is_full:
-    glue("grad_rel_diff", grad_check.iloc[0])
 grad_check.to_frame().map("{:.2e}".format)
 
 # %% tags=["remove-input"]
@@ -629,11 +641,6 @@ torch.testing.assert_close(torch.tensor(loss_acc), torch.tensor(loss_big), rtol=
 param_diff = (sum((p - q).square().sum() for p, q in zip(model_acc.parameters(), model_big.parameters())).sqrt()
               / sum(p.square().sum() for p in model_big.parameters()).sqrt()).item()
 assert param_diff < 1e-4, f"the two runs' weights drifted apart: {param_diff:.1e}"
-if prof.is_full:
-    glue("traj_max_loss_diff", float((curves.iloc[:, 0] - curves.iloc[:, 1]).abs().max()))
-    glue("traj_param_diff", param_diff)
-    glue("traj_final_loss", loss_acc[-1])
-    glue("traj_steps", n_steps)
 fig = plots.lines(curves.reset_index().assign(step=lambda d: d["index"] + 1), x="step", ys=list(curves.columns),
                   styles=["-", "o"], title="Accumulated micro-batches follow the large batch's training run step for step",
                   xlabel="optimizer step", ylabel="loss (nats per token)")
@@ -671,11 +678,13 @@ freed = cleanup.free(globals(), "model_run", "model_big", "runs", "small", "g_bi
 # and batch 4 x 4 (the same 16 samples per update, accumulated), on our GPU under the emulated T4 budget, so
 # that a configuration that does not fit a 15 GB card fails here too. Time is per optimizer step (`time_it`: ten
 # timed updates after a warm-up one, with their spread and the GPU-busy fraction); throughput counts the samples
-# of the effective batch.
+# of the effective batch. The two comparisons the text draws, batch 1 x 4 against batch 4 and batch 4 x 4 against
+# a real batch 16 (on the whole card), are timed again with `timing.interleaved`, in alternating rounds: the
+# table's rows are timed one after the other, and only interleaved rounds cancel the host's drift.
 
 # %%
-def accumulation_cost(name, model, optimizer, micro_size, steps_per_update):
-    """Time, throughput and memory of one optimizer step over ``steps_per_update`` micro-batches."""
+def update_fn(name, model, optimizer, micro_size, steps_per_update):
+    """One optimizer step over ``steps_per_update`` micro-batches of ``micro_size``, as a callable."""
     micro = [make_batch(name, micro_size, seed=i) for i in range(steps_per_update)]
 
     def one_update():
@@ -684,6 +693,12 @@ def accumulation_cost(name, model, optimizer, micro_size, steps_per_update):
         finally:
             optimizer.zero_grad(set_to_none=True)
 
+    return one_update
+
+
+def accumulation_cost(name, model, optimizer, micro_size, steps_per_update):
+    """Time, throughput and memory of one optimizer step over ``steps_per_update`` micro-batches."""
+    one_update = update_fn(name, model, optimizer, micro_size, steps_per_update)
     one_update()  # warm-up; creates AdamW's states on first use
     measure.reset_peak(prof.device)
     timed = timing.time_it(one_update, device=prof.device, warmup=0, repeat=10, profile_steps=1)
@@ -716,6 +731,13 @@ if profiles.cuda_or_skip("the whole card differs from the T4 only on a larger GP
     attempt = batching.try_batch(lambda m: accumulation_cost(name, model, optimizer, m, 1), 16)
     cost_rows["bs 16, whole card"] = attempt.value if attempt.fits else {"result": f"out of memory ({attempt.error})"}
 bert_grad_gib = accounting.param_bytes(model) / GIB  # fp32 gradients: one per weight, the weights' size
+acc_cmp = {}  # interleaved, on the whole card: (baseline row, candidate row) -> Comparison
+for base, cand in (("bs 4", "bs 1 x ga 4"), ("bs 16, whole card", "bs 4 x ga 4")):
+    if all(r in cost_rows and "result" not in cost_rows[r] for r in (base, cand)):
+        shapes = {"bs 4": (4, 1), "bs 1 x ga 4": (1, 4), "bs 16, whole card": (16, 1), "bs 4 x ga 4": (4, 4)}
+        acc_cmp[(base, cand)] = timing.interleaved(
+            update_fn(name, model, optimizer, *shapes[base]), update_fn(name, model, optimizer, *shapes[cand]),
+            device=prof.device, names=(base, cand), rounds=prof.pick(tiny=10, full=15), warmup=1, profile_steps=1)
 cleanup.free(globals(), "model", "optimizer", "attempt")
 hf_docs = pd.DataFrame({  # the guide's printout for 512 samples of 512 tokens on a 16 GB V100
     "HF docs V100: time (s)": {"bs 4": 57.82, "bs 1 x ga 4": 66.03},
@@ -726,11 +748,6 @@ cost = pd.DataFrame.from_dict(cost_rows, orient="index").join(hf_docs)
 cost
 
 # %%
-if prof.is_full and prof.on_gpu:
-    for label, key in (("bs 4", "bs4"), ("bs 1 x ga 4", "bs1ga4"), ("bs 4 x ga 4", "bs4ga4"), ("bs 16, whole card", "bs16full")):
-        glue(f"cost_{key}_peak_gib", cost.loc[label, "peak allocated (GiB)"])
-        glue(f"cost_{key}_samples_s", cost.loc[label, "samples/s"])
-    glue("cost_bs16_result", cost_rows["bs 16"].get("result", "fits"))
 fig, (ax_mem, ax_speed) = plt.subplots(1, 2, figsize=(11, 4.4))
 x = np.arange(len(cost))
 fits = cost["step time (s)"].notna().to_numpy()
@@ -761,9 +778,42 @@ fig.suptitle("bert-large, fp32, 512 tokens: gradient accumulation against larger
 fig.tight_layout(rect=(0, 0.08, 1, 1))
 
 # %% tags=["remove-input"]
+def accumulated_vs_large(c):
+    """Batch 4 x 4 (candidate) against a real batch 16 (baseline), interleaved: the same 16 samples per update."""
+    busy = f"The GPU is busy {prose.pct(c.b.gpu_busy)} of the time at batch 4 x 4, {prose.pct(c.a.gpu_busy)} at batch 16."
+    text = (f"Speed: batch 4 x 4 against a real batch 16 (on the whole card), the same 16 samples per update: "
+            f"{c.phrase(what='than batch 16')}. {busy} ")
+    if c.verdict != "slower":
+        return text + "At batch 4 this GPU is already busy enough that four small steps cost what one large one does. "
+    if min(c.a.gpu_busy, c.b.gpu_busy) >= 0.9:
+        return text + ("Busy almost all the time in both, the GPU is not waiting: batch 4 x 4 runs "
+                       "four times as many kernels, each a quarter the size, and small kernels do less work per second "
+                       "than large ones (section 3.1's sweep shows the same between batch 4 and batch 16). ")
+    return text + "At batch 4 the GPU waits part of the time, and four such steps pay that wait four times. "
+
+
+def guide_row(c, peak_ratio):
+    """The guide's comparison, batch 1 x 4 (candidate) against batch 4 (baseline), interleaved."""
+    launch = timing.us_per_launch(c.b)
+    text = (f"The guide's row, batch 1 x 4 against batch 4: here it needs {peak_ratio:.2f} times the peak memory, "
+            f"and its throughput is {c.phrase(what='than batch 4')}, with the GPU busy {prose.pct(c.b.gpu_busy)} of the "
+            f"time at batch 1 and {prose.pct(c.a.gpu_busy)} at batch 4. The guide measured {8681 / 14949:.2f} times the NVML memory and "
+            f"{7.75 / 8.86:.2f} times the throughput on a V100. Accumulation saves only the activations of the samples "
+            "that are no longer in the micro-batch; weights, gradients and optimizer states stay, so the peak does not "
+            "fall below them. ")
+    if c.verdict == "slower":
+        return text + ("A micro-batch below the point where throughput flattens (section 3.1) costs speed: each of the "
+                       "four batch-1 steps issues the whole step's kernels"
+                       + (f", at about {launch:.0f} µs of this host's time per operation" if launch else "")
+                       + ", for a quarter of the work. Hence the guide's advice, to keep the micro-batch as large as "
+                       "fits and accumulate the rest (batch 4 x 16 rather than 1 x 64 for 64 samples).")
+    return text + ("Here the smaller micro-batch cost no speed beyond the noise; the guide's advice, to keep the "
+                   "micro-batch as large as fits and accumulate the rest, still holds wherever the small batch is "
+                   "host-bound (section 3.1): the reader's CPU decides where that is.")
+
+
 if prof.on_gpu:
     c = cost
-    t4, t1x4, t4x4 = cost_timed[(4, 1)], cost_timed[(1, 4)], cost_timed[(4, 4)]
     bs16 = cost_rows["bs 16"]
     if "result" in bs16:
         text = f"Under the T4 budget batch 16 does not fit ({bs16['result']}); "
@@ -776,41 +826,15 @@ if prof.on_gpu:
     text += ("is close to the " if abs(extra - bert_grad_gib) < 0.25 * bert_grad_gib else "is not simply the ")
     text += (f"{bert_grad_gib:.2f} GiB of gradients: from the second micro-batch on, the forward pass runs while the "
              f"gradients accumulated so far are held, where a plain step has just freed them. ")
-    if (16, 1) in cost_timed:
-        t16 = cost_timed[(16, 1)]
-        cmp = timing.compare({"16": t16, "4x4": t4x4}, "16")["4x4"]
-        ratio = c.loc["bs 4 x ga 4", "samples/s"] / c.loc["bs 16, whole card", "samples/s"]
-        text += (f"Speed: batch 4 x 4 runs at {ratio:.2f} times the throughput of a real batch 16 (on the whole card), "
-                 + ("slower beyond the noise: it runs batch 4's kernels four times, and batch 4 keeps the GPU busy "
-                    f"{t4x4.gpu_busy:.0%} of the time against batch 16's {t16.gpu_busy:.0%}. "
-                    if cmp["difference"] == "slower" else
-                    f"{cmp['difference']}: at batch 4 this GPU is already busy {t4x4.gpu_busy:.0%} of the time, so four "
-                    f"small steps cost what one large one does. "))
-    cmp1 = timing.compare({"4": t4, "1x4": t1x4}, "4")["1x4"]
-    text += (f"\n\nThe guide's row, batch 1 x 4 against batch 4: here it needs "
-             f"{c.loc['bs 1 x ga 4', 'peak allocated (GiB)'] / c.loc['bs 4', 'peak allocated (GiB)']:.2f} times the peak "
-             f"memory and runs at {c.loc['bs 1 x ga 4', 'samples/s'] / c.loc['bs 4', 'samples/s']:.2f} times the "
-             f"throughput ({cmp1['difference']}; GPU busy {t1x4.gpu_busy:.0%} at batch 1, {t4.gpu_busy:.0%} at batch 4); "
-             f"the guide measured {8681 / 14949:.2f} times the NVML memory and {7.75 / 8.86:.2f} times the throughput on "
-             f"a V100. Accumulation saves only the activations of the samples that are no longer in the micro-batch; "
-             f"weights, gradients and optimizer states stay, so the peak does not fall below them. ")
-    text += ("A micro-batch below the point where throughput flattens (section 3.1) costs speed, as measured here: "
-             "hence the guide's advice, to keep the micro-batch as large as fits and accumulate the rest (batch 4 x 16 "
-             "rather than 1 x 64 for 64 samples)." if cmp1["difference"] == "slower" else
-             "Here the smaller micro-batch cost no speed beyond the noise; the guide's advice, to keep the "
-             "micro-batch as large as fits and accumulate the rest, still holds wherever the small batch is host-bound "
-             "(section 3.1).")
+    if ("bs 16, whole card", "bs 4 x ga 4") in acc_cmp:
+        text += accumulated_vs_large(acc_cmp[("bs 16, whole card", "bs 4 x ga 4")])
+    if ("bs 4", "bs 1 x ga 4") in acc_cmp:
+        peak_ratio = c.loc["bs 1 x ga 4", "peak allocated (GiB)"] / c.loc["bs 4", "peak allocated (GiB)"]
+        text += "\n\n" + guide_row(acc_cmp[("bs 4", "bs 1 x ga 4")], peak_ratio)
     display(Markdown(text))
 else:
     print("skipped on CPU: the T4 budget, peak memory and GPU-busy need a GPU")
 
-
-# %% [markdown]
-# *On the speed comparison above.* In the committed run the GPU was busy almost all the time in both
-# configurations ("97% of the time against batch 16's 99%"), while batch 4 x 4 ran at "0.90 times the
-# throughput". Two points of idle time cannot account for that: the GPU is not waiting at batch 4; its kernels,
-# four times as many and each a quarter the size, do less work per second than batch 16's. Section 3.1's sweep
-# shows the same between batch 4 and batch 16.
 
 # %% [markdown]
 # **The LLM book's case.** The book trains the 1.3B model (fp16, AdamW, 256 tokens) on a T4: batch 16 runs out
@@ -844,11 +868,6 @@ for label, (micro_size, steps_per_update) in {"bs 16": (16, 1), "bs 4 x ga 4": (
     book_rows[label] = attempt.value if attempt.fits else {"result": f"out of memory ({attempt.error})"}
 book = pd.DataFrame.from_dict(book_rows, orient="index")
 book["LLM book, T4"] = {"bs 16": "out of memory", "bs 4 x ga 4": "10.586 GiB after 1st step"}
-if prof.is_full and prof.on_gpu:
-    glue("book_bs4ga4_first_gib", book.loc["bs 4 x ga 4", "allocated after 1st step (GiB)"])
-    glue("book_bs4ga4_gap_gib", 10.586 - book.loc["bs 4 x ga 4", "allocated after 1st step (GiB)"])
-    glue("book_bs4ga4_peak_gib", book.loc["bs 4 x ga 4", "peak allocated (GiB)"])
-    glue("book_bs16_result", book.loc["bs 16", "result"])
 book
 
 # %% tags=["remove-input"]
@@ -877,6 +896,8 @@ else:
 # times each after a warm-up run, and compare time and peak memory. Each `Trainer.train()` call builds its data
 # loader again and reuses the optimizer it created in the first call, as the hand-written loop reuses its own;
 # the loop's optimizer is deleted before the `Trainer` runs, so that each peak holds one set of AdamW states.
+# The table's times are taken one after the other; the comparison in the text comes from `timing.interleaved`
+# afterwards (the loop with an optimizer of its own again, the two calls in alternating rounds).
 
 # %%
 n_epoch = prof.pick(tiny=16, full=16)
@@ -907,52 +928,47 @@ trainer = Trainer(model=model, args=args, train_dataset=epoch_data)
 trainer_own = []  # the Trainer's own clock: train_samples_per_second from each train() call's metrics
 time_epoch("Trainer", lambda: trainer_own.append(trainer.train().metrics["train_samples_per_second"]))
 trainer_own = trainer_own[-10:]  # the timed calls (time_it's warm-up call first)
-cleanup.free(globals(), "trainer", "model")
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)  # the loop's own again, for speed only
+with contextlib.redirect_stdout(io.StringIO()):  # (each train() call prints its metrics)
+    cmp_tr = timing.interleaved(
+        lambda: train_accumulating(model, optimizer, (to_device(b) for b in train.batches(epoch_data, 4, shuffle=False)),
+                                   4),
+        trainer.train, device=prof.device, names=("hand-written loop", "Trainer"), rounds=prof.pick(tiny=10, full=15),
+        warmup=1, busy=False)
+cleanup.free(globals(), "trainer", "model", "optimizer")
 epoch = pd.DataFrame(epoch_rows).T
-if prof.is_full and prof.on_gpu:
-    glue("trainer_samples_s", epoch.loc["Trainer", "samples/s"])
-    glue("hand_samples_s", epoch.loc["hand-written loop", "samples/s"])
 epoch
 
 # %% tags=["remove-input"]
-cmp_tr = timing.compare(epoch_timed, "hand-written loop")["Trainer"]
+def trainer_sentence(c, own_samples_s, n_samples, peaks=""):
+    """The Trainer (candidate) against the hand-written loop (baseline), interleaved, with the Trainer's own clock."""
+    own = pd.Series(own_samples_s)
+    t_loop, t_call, t_own = c.a.wall.median, c.b.wall.median, n_samples / own.median()
+    text = (f"Timed around the whole `trainer.train()` call, one update of {n_samples} samples took "
+            f"{prose.ms(t_call)} in the `Trainer` and {prose.ms(t_loop)} in the hand-written loop{peaks}; in "
+            f"alternating rounds the Trainer's speed against the loop's is {c.phrase(what='than the loop')}. "
+            f"The Trainer's own clock (`train_samples_per_second` in the metrics each `train()` call returns, which "
+            f"starts after the call has set itself up and stops before it cleans up) gives {own.median():.1f} "
+            f"samples/s (median of {len(own)} calls, {own.min():.1f} to {own.max():.1f}), {prose.ms(t_own)} per update. ")
+    if c.verdict == "slower" and t_call > t_loop:
+        outside = min(max((t_call - t_own) / (t_call - t_loop), 0.0), 1.0)
+        return text + (f"So about {outside:.0%} of the gap lies outside the Trainer's own clock: a fixed cost of each "
+                       "`train()` call, paid once per call (here once per update, over an epoch once per epoch). The "
+                       "rest is inside it, where it also contains work each call does once (starting the data "
+                       "loader's iteration, the callbacks at the start and end of training); this run does not split "
+                       "it further.")
+    if c.verdict == timing.NO_DIFFERENCE:
+        return text + ("With the same optimizer the two do the same arithmetic, and neither the per-call set-up nor "
+                       "the per-step bookkeeping is large enough to measure here.")
+    return text + "The Trainer was the faster of the two in this run; the interval above says by how much."
+
+
 if prof.on_gpu:
     peaks = (f", with peaks of {epoch.loc['Trainer', 'peak allocated (GiB)']:.2f} GiB (Trainer) and "
              f"{epoch.loc['hand-written loop', 'peak allocated (GiB)']:.2f} GiB (loop)")
-    loop_sps = epoch.loc["hand-written loop", "samples/s"]
-    own = pd.Series(trainer_own)
-    own_close = abs(own.median() / loop_sps - 1) <= 0.10
-    text = (f"Timed around the whole `trainer.train()` call, the `Trainer` processed "
-            f"{epoch.loc['Trainer', 'samples/s']:.1f} samples/s, the hand-written loop {loop_sps:.1f}{peaks}: the "
-            f"Trainer is " + (f"{cmp_tr['difference']} ({1 / cmp_tr['speed-up']:.2f} times the loop's time). "
-                              if cmp_tr["difference"] != "within the noise" else "within the noise of the loop. ")
-            + f"The Trainer's own clock (`train_samples_per_second` in the metrics each `train()` call returns, which "
-            f"starts after the call has set itself up and stops before it cleans up) gives {own.median():.1f} "
-            f"samples/s (median of {len(own)} calls, {own.min():.1f} to {own.max():.1f}). ")
-    if cmp_tr["difference"] == "slower" and own_close:
-        text += ("That is within a tenth of the loop's, so most of the gap is a fixed cost of each `train()` call "
-                 "outside its training loop, not bookkeeping paid on every step; with one update per call, as here, "
-                 "that fixed cost is a large part of the time, and over an epoch of many updates it is paid once.")
-    elif cmp_tr["difference"] == "slower":
-        text += ("That is more than a tenth away from the loop's, so part of the gap is inside the training loop "
-                 "itself (its data loader, learning-rate scheduler and callbacks), and part is the per-call set-up "
-                 "outside it.")
-    elif cmp_tr["difference"] == "within the noise":
-        text += ("With the same optimizer the two do the same arithmetic, and neither the per-call set-up nor the "
-                 "per-step bookkeeping is large enough to measure here.")
-    else:
-        text += "The Trainer was the faster of the two in this run; the table above has the spread of each."
-    display(Markdown(text))
+    display(Markdown(trainer_sentence(cmp_tr, trainer_own, n_epoch, peaks)))
 else:
     print("skipped on CPU: CPU time and memory say nothing about the Trainer's overhead on a GPU")
-
-
-# %% [markdown]
-# *On the last sentence above.* Each `train()` call here makes a single update, so the Trainer's own clock
-# ("31.9 samples/s" in the committed run, against the loop's "37.6") also contains work the call does once
-# inside its training loop, such as starting the data loader's iteration and the callbacks at the start and end
-# of training. This run cannot tell that from bookkeeping paid on every step; the parts named were not timed one
-# by one.
 
 # %% [markdown]
 # What the fixed cost of a `train()` call contains: in transformers 5.x the set-up starts with accelerate's
@@ -1038,12 +1054,6 @@ pitfall = pd.DataFrame(pitfall_rows).T
 naive, by_hand, by_hf = pitfall.iloc[1], pitfall.iloc[2], pitfall.iloc[3]
 assert naive["gradient: max relative difference"] > 1e-2, "with these lengths the naive loop should be visibly wrong"
 assert by_hand["gradient: max relative difference"] < 1e-4 and by_hf["gradient: max relative difference"] < 1e-4
-if prof.is_full:
-    glue("pit_tokens", ", ".join(str(n_tokens(p)) for p in parts))
-    glue("pit_ref_loss", pitfall.iloc[0, 0])
-    glue("pit_naive_loss", naive.iloc[0])
-    glue("pit_naive_grad", naive.iloc[1])
-    glue("pit_fixed_grad", max(by_hand.iloc[1], by_hf.iloc[1]))
 print(f"tokens per micro-batch: {[n_tokens(p) for p in parts]}, total {total_tokens}")
 pitfall.assign(**{"loss (nats/token)": pitfall["loss (nats/token)"].map("{:.4f}".format),
                   "gradient: max relative difference": pitfall["gradient: max relative difference"].map("{:.1e}".format)})

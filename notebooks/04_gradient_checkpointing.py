@@ -64,8 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from helpers import accounting, batching, cleanup, data, measure, models, plots, profiles
-from helpers.glue import glue
+from helpers import accounting, batching, cleanup, measure, models, plots, profiles, steps
 from helpers.measure import GIB, MIB
 
 plots.use_style()
@@ -79,12 +78,14 @@ env.report(prof)
 # baseline, which the last cell checks. We also ask what this GPU can do: fused attention kernels and bf16
 # tensor cores need compute capability 8.0 or newer (`profiles.capability()`), and section 4.4 picks its
 # 16-bit type with `profiles.amp_dtype()` (bf16 there, fp16 on older GPUs such as the T4). Times come from
-# chapter 8's `timing.time_it` (ten repeats after warm-up, with spread, GPU time and the GPU-busy fraction).
+# chapter 8's `timing.time_it` (ten repeats after warm-up, with spread, GPU time and the GPU-busy fraction), and
+# comparisons from `timing.interleaved`: the two sides in alternating rounds, the median of the per-round ratios
+# with its 95% interval, and "faster" or "slower" only when the whole interval lies beyond ±3%.
 
 # %%
 from IPython.display import Markdown, display
 
-from helpers import flops, timing
+from helpers import flops, prose, timing
 
 cap = profiles.capability()
 t4_budget_gib, chapter_baseline_mib = None, 0.0
@@ -96,7 +97,6 @@ if profiles.cuda_or_skip("emulating a T4 needs a GPU"):
     t4_budget_gib = budget.budget_gib
     torch._C._cuda_clearCublasWorkspaces()  # the end of the chapter clears them too, so both ends exclude them
     chapter_baseline_mib = torch.cuda.memory_allocated() / MIB
-    glue("t4_budget_gib", t4_budget_gib)
     print(f"emulated T4: {budget.describe()}")
     print(f"{cap.name}: compute capability {cap.major}.{cap.minor}; FlashAttention and bf16 tensor cores: "
           f"{'yes' if cap.flash_attention else 'no'}; 16-bit type for section 4.4: {profiles.amp_dtype()}")
@@ -280,12 +280,6 @@ ks = np.array(divisors)
 check = pd.DataFrame({"k": ks, "measured": [three[f"(c) checkpoint every {k}"]["stored (layer outputs)"] for k in ks],
                       "N/k + k": n_layers / ks + ks}).set_index("k")
 assert (check["measured"] == check["N/k + k"]).all()
-if prof.is_full:
-    glue("chain_n", n_layers)
-    glue("chain_sqrt_n", int(math.isqrt(n_layers)))
-    glue("chain_store_all", int(three.loc["stored (layer outputs)", "(a) store everything"]))
-    glue("chain_sqrt_store", int(check["measured"].min()))
-    glue("chain_recompute_calls", int(three.loc["layer forwards", "(b) recompute from the start"]))
 check.astype(int)
 
 # %%
@@ -429,15 +423,6 @@ block_check["gradients: max rel. difference"] = [0.0, max_rel_diff(ckpt_grads, p
                                                   max_rel_diff(norng_grads, plain_grads)]
 assert block_check.iloc[1, 2] < 1e-5, "checkpointing changed the gradients"
 assert block_check.iloc[2, 2] > 1e-2, "without the RNG state, dropout should draw new masks"
-if prof.is_full:
-    glue("block_input_mib", block_x.numel() * block_x.element_size() / MIB)
-    glue("block_plain_saved_mib", block_check.iloc[0, 0])
-    glue("block_ckpt_saved_mib", block_check.iloc[1, 0])
-    glue("block_ckpt_grad_diff", block_check.iloc[1, 2])
-    glue("block_norng_grad_diff", block_check.iloc[2, 2])
-    if prof.on_gpu:
-        glue("block_plain_peak_mib", block_check.iloc[0, 1])
-        glue("block_ckpt_peak_mib", block_check.iloc[1, 1])
 block_check.assign(**{"gradients: max rel. difference": block_check.iloc[:, 2].map("{:.1e}".format)})
 
 # %% [markdown]
@@ -499,7 +484,10 @@ freed = cleanup.free(globals(), "block", "block_x", "plain_grads", "ckpt_grads",
 # chapter 3 in the sources' setups: bert-large in fp32 at 512 tokens, and the 1.3B GPT-NeoX with fp16 weights,
 # eager attention and 256 tokens. For each batch size, with and without checkpointing: the peak allocated
 # memory of a training step and its time, with `time_it` (ten steps after a warm-up step, their spread, the GPU
-# kernel time and the GPU-busy fraction from two profiled steps).
+# kernel time and the GPU-busy fraction from two profiled steps). What checkpointing costs is then measured with
+# `timing.interleaved` (chapter 8): the plain and the checkpointed step in alternating rounds on the same model and
+# batch, the switch flipped (untimed) before each, so that the host's drift between two separate blocks of steps
+# cannot pass for a cost.
 #
 # To compare with theory we also time the forward pass alone. Checkpointing recomputes the transformer layers,
 # not the embeddings, the output head or the loss, so for the 1.3B model we also time the forward pass of its
@@ -525,17 +513,9 @@ def build(name, seed=0):
 
 
 def make_batch(name, batch_size, seed=0):
+    """Chapter 3's batch for model ``name``: ``steps.batch_for`` with the model's task and length."""
     task = "classification" if SETUPS[name]["head"] == "sequence-classification" else "causal-lm"
-    ds = data.dummy_dataset(batch_size, SETUPS[name]["seq_len"], task=task, seed=seed)
-    return {k: v.to(prof.device) for k, v in ds[:].items()}
-
-
-def train_step(model, optimizer, batch):
-    try:
-        model(**batch).loss.backward()
-        optimizer.step()
-    finally:
-        optimizer.zero_grad(set_to_none=True)
+    return steps.batch_for(task, batch_size, SETUPS[name]["seq_len"], prof.device, seed=seed)
 
 
 RENAMED = hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
@@ -568,7 +548,7 @@ def measure_step(name, model, optimizer, batch_size, time_forward, key):
         optimizer.zero_grad(set_to_none=True)
     del loss
     measure.reset_peak(prof.device)
-    step = timing.time_it(lambda: train_step(model, optimizer, batch), device=prof.device, warmup=0, repeat=10,
+    step = timing.time_it(lambda: steps.train_step(model, optimizer, batch), device=prof.device, warmup=0, repeat=10,
                           profile_steps=2)
     gc_timed[key] = step
     row = {"step time (s)": step.median_s, "step IQR (s)": step.wall.iqr, "step GPU kernel time (s)": kernel_s(step),
@@ -587,7 +567,7 @@ def measure_step(name, model, optimizer, batch_size, time_forward, key):
 
 
 batch_sizes = prof.pick(tiny=[2, 4], full=[4, 8, 16, 32])
-gc_rows, gc_timed, model_shape = [], {}, {}
+gc_rows, gc_timed, gc_cmp, model_shape = [], {}, {}, {}
 for name in SETUPS:
     model, optimizer = build(name)
     head = model.get_output_embeddings()
@@ -605,17 +585,49 @@ for name in SETUPS:
                 lambda b, n=name, m=model, o=optimizer, t=not on: measure_step(n, m, o, b, t, (n, b, t)), bs)
             gc_rows.append({"model": name, "checkpointing": on, "batch": bs,
                             **(attempt.value if attempt.fits else {"result": f"out of memory ({attempt.error})"})})
-    freed = cleanup.free(globals(), "model", "optimizer", "attempt")
+    for bs in batch_sizes:  # keys: (model, batch, forward timed), and the forward was timed without checkpointing
+        if (name, bs, True) in gc_timed and (name, bs, False) in gc_timed:
+            batch = make_batch(name, bs)
+            gc_cmp[(name, bs)] = timing.interleaved(
+                lambda m=model, o=optimizer, b=batch: steps.train_step(m, o, b),
+                lambda m=model, o=optimizer, b=batch: steps.train_step(m, o, b), device=prof.device,
+                names=("plain", "checkpointed"), setup_a=lambda m=model: set_checkpointing(m, False),
+                setup_b=lambda m=model: set_checkpointing(m, True), rounds=10, warmup=1, profile_steps=1)
+    freed = cleanup.free(globals(), "model", "optimizer", "attempt", "batch")
 gc_table = pd.DataFrame(gc_rows).set_index(["model", "batch", "checkpointing"]).sort_index()
 shapes = pd.DataFrame(model_shape).T
 shapes["head share of forward FLOPs"] = shapes["head FLOPs per token"] / shapes["forward FLOPs per token"]
 gc_table
 
+# %%
+def overhead_columns(summary, cmps, tolerance=5.0):
+    """Add the interleaved overhead (median and 95% interval, %), its verdict and the agreement with the prediction."""
+    def col(f):
+        return [f(cmps[k]) if k in cmps else np.nan for k in summary.index]
+
+    summary["time overhead (%)"] = col(lambda c: 100 * (1 / c.speedup - 1))
+    summary["overhead 95% low (%)"] = col(lambda c: 100 * (1 / c.hi - 1))
+    summary["overhead 95% high (%)"] = col(lambda c: 100 * (1 / c.lo - 1))
+    summary["checkpointed vs plain"] = [cmps[k].verdict if k in cmps else "—" for k in summary.index]
+    if prof.on_gpu:  # the GPU-busy fractions measured in the same interleaved run
+        summary["GPU busy, plain"] = col(lambda c: c.a.gpu_busy)
+        summary["GPU busy, checkpointed"] = col(lambda c: c.b.gpu_busy)
+        summary["verdict, checkpointed"] = [cmps[k].b.verdict if k in cmps else "—" for k in summary.index]
+    pred = summary["predicted: layer forward / step (%)"]
+    summary["measured vs predicted"] = np.where(
+        summary["overhead 95% low (%)"] - tolerance > pred, "costs more",
+        np.where(summary["overhead 95% high (%)"] + tolerance < pred, "costs less", "agrees"))
+    summary.loc[summary["time overhead (%)"].isna() | pred.isna(), "measured vs predicted"] = "—"
+    return summary
+
+
 # %% [markdown]
 # Every configuration ran on the whole card (through `batching.try_batch`, so that on a smaller GPU the ones
 # that do not fit become rows that say so). Which would fit the emulated T4, and what did checkpointing save and
-# cost? The *noise* column is the sum of the two steps' IQRs, as a share of the plain step: a difference between
-# measured and predicted cost smaller than it (or than 5 points) counts as agreement.
+# cost? The time overhead is the interleaved comparison's: the median of the per-round ratios, checkpointed over
+# plain, with its 95% interval. A prediction that lies within 5 points of that interval counts as agreement (the
+# prediction itself is only good to a few points); "checkpointed vs plain" is the comparison's verdict, which says
+# slower or faster only when the whole interval lies beyond ±3%.
 
 # %%
 plain = gc_table.xs(False, level="checkpointing")
@@ -624,8 +636,6 @@ summary = pd.DataFrame({
     "peak, plain (GiB)": plain["peak allocated (GiB)"],
     "peak, checkpointed (GiB)": ckpt["peak allocated (GiB)"],
     "memory saved (%)": 100 * (1 - ckpt["peak allocated (GiB)"] / plain["peak allocated (GiB)"]),
-    "time overhead (%)": 100 * (ckpt["step time (s)"] / plain["step time (s)"] - 1),
-    "noise (%)": 100 * (plain["step IQR (s)"] + ckpt["step IQR (s)"]) / plain["step time (s)"],
     "predicted: layer forward / step (%)": 100 * plain["layer forward GPU kernel time (s)"] / plain["step time (s)"],
     "GPU work added (ms)": 1e3 * (ckpt["step GPU kernel time (s)"] - plain["step GPU kernel time (s)"]),
     "layer forward GPU work (ms)": 1e3 * plain["layer forward GPU kernel time (s)"],
@@ -635,24 +645,12 @@ summary = pd.DataFrame({
     "GPU busy, checkpointed": ckpt["GPU busy"],
     "verdict, checkpointed": ckpt["verdict"],
 })
-gap = summary["time overhead (%)"] - summary["predicted: layer forward / step (%)"]
-tolerance = np.maximum(summary["noise (%)"], 5.0)
-summary["measured vs predicted"] = np.where(gap.abs() <= tolerance, "agrees",
-                                            np.where(gap > 0, "costs more", "costs less"))
-summary.loc[summary["time overhead (%)"].isna(), "measured vs predicted"] = "—"
-summary["checkpointed vs plain"] = [
-    timing.compare({"plain": gc_timed[(n, b, True)], "ckpt": gc_timed[(n, b, False)]}, "plain")["ckpt"]["difference"]
-    if (n, b, True) in gc_timed and (n, b, False) in gc_timed else "—" for n, b in summary.index]
+overhead_columns(summary, gc_cmp, tolerance=5.0)  # (percentage points)
 # recomputation cannot make a step faster: such a row measured the host's noise, not checkpointing's cost
 summary.loc[summary["checkpointed vs plain"] == "faster", "measured vs predicted"] = "faster than plain"
 if prof.on_gpu:
     summary["fits T4 plain"] = summary["peak, plain (GiB)"] <= t4_budget_gib
     summary["fits T4 checkpointed"] = summary["peak, checkpointed (GiB)"] <= t4_budget_gib
-if prof.is_full and prof.on_gpu:
-    for key, name in (("bert", "bert-large-uncased"), ("llm", "polyglot-ko-1.3b")):
-        part = summary.loc[name]
-        glue(f"{key}_saved_pct_max", part["memory saved (%)"].max())
-        glue(f"{key}_overhead_pct_mean", part["time overhead (%)"].mean())
 summary.drop(columns=["verdict, checkpointed"]).style.format(precision=2, na_rep="—")
 
 # %%
@@ -724,8 +722,10 @@ for ax, name in zip(axes, SETUPS):
     part = summary.loc[name]
     x = np.arange(len(part))
     measured = part["time overhead (%)"].to_numpy()
-    ax.bar(x - 0.2, np.nan_to_num(measured), width=0.4, yerr=part["noise (%)"].fillna(0).to_numpy(), capsize=3,
-           label="measured: checkpointed / plain - 1 (error bar: noise)")
+    err = [np.nan_to_num(measured - part["overhead 95% low (%)"].to_numpy()),
+           np.nan_to_num(part["overhead 95% high (%)"].to_numpy() - measured)]
+    ax.bar(x - 0.2, np.nan_to_num(measured), width=0.4, yerr=err, capsize=3,
+           label="measured: checkpointed / plain - 1 (error bar: 95% interval, interleaved)")
     ax.bar(x + 0.2, part["predicted: layer forward / step (%)"].fillna(0).to_numpy(), width=0.4,
            label="predicted: one more forward pass of the layers")
     oom = np.isnan(measured)
@@ -746,67 +746,97 @@ fig.suptitle("Checkpointing's cost against one more forward pass of the layers" 
 fig.tight_layout(rect=(0, 0.12, 1, 1))
 
 # %% tags=["remove-input"]
+def price_lines(name, part, step_s):
+    """The rendered lines for one model: each batch's overhead against the prediction, and what explains a gap.
+
+    ``part``: the model's rows of ``summary`` that were measured; ``step_s``: the plain step's time per batch (s).
+    """
+    items = [f"batch {b}: {r['time overhead (%)']:+.0f}% (95% interval {r['overhead 95% low (%)']:+.0f} to "
+             f"{r['overhead 95% high (%)']:+.0f}%, {r['checkpointed vs plain']}), predicted "
+             f"{r['predicted: layer forward / step (%)']:.0f}%, *{r['measured vs predicted']}*, GPU busy "
+             f"{r['GPU busy, plain']:.0%} plain" for b, r in part.iterrows()]
+    lines = [f"- **{name}**: " + "; ".join(items) + "."]
+    more = part[part["measured vs predicted"] == "costs more"]
+    host = (more["verdict, checkpointed"] == "host-bound") | (more["GPU busy, plain"] < timing.HOST_BOUND_BUSY)
+    for group, is_host in ((more[host], True), (more[~host], False)):
+        if not len(group):
+            continue
+        b = group.index[0]
+        r = group.loc[b]
+        matches = abs(r["GPU work added (ms)"] - r["layer forward GPU work (ms)"]) < 0.3 * r["layer forward GPU work (ms)"]
+        text = (f"  Where it costs more than predicted (batch {', '.join(map(str, group.index))}), the GPU work it "
+                f"adds is {r['GPU work added (ms)']:.1f} ms at batch {b}, against "
+                f"{r['layer forward GPU work (ms)']:.1f} ms for the layers' forward pass: ")
+        if is_host and matches:
+            text += ("the GPU does about one forward pass more, as theory says, but the step is host-bound (GPU busy "
+                     f"{r['GPU busy, checkpointed']:.0%} with checkpointing), so what sets its time is the CPU, and the "
+                     "recomputation launches every layer's kernels a second time and runs the checkpoint's Python "
+                     "hooks for each layer.")
+        elif matches:
+            gap = r["time overhead (%)"] - r["predicted: layer forward / step (%)"]
+            half = (r["overhead 95% high (%)"] - r["overhead 95% low (%)"]) / 2
+            text += (f"the GPU does about one forward pass more, and the step is not host-bound (GPU busy "
+                     f"{r['GPU busy, plain']:.0%} plain, {r['GPU busy, checkpointed']:.0%} with checkpointing). The "
+                     f"measured cost lies {gap:.0f} points above the prediction, "
+                     + (f"{gap / half:.1f} times the half-width of its 95% interval (±{half:.1f} points)"
+                        if half > 0 else "outside its 95% interval")
+                     + (": the GPU waits more of the time with checkpointing, and that waiting is part of the cost."
+                        if r["GPU busy, checkpointed"] < r["GPU busy, plain"] - 0.05 else "."))
+        else:
+            text += ("the extra GPU work itself is not one forward pass of the layers; the profile kept in "
+                     "`gc_cmp` (`.b.profile.categories()`) shows where it goes.")
+        lines.append(text)
+    faster = part[part["checkpointed vs plain"] == "faster"]
+    if len(faster):
+        lines.append(
+            f"  At batch {', '.join(map(str, faster.index))} the checkpointed step measured *faster* than the plain "
+            f"one ({', '.join(f'{v:+.0f}%' for v in faster['time overhead (%)'])}), which recomputation cannot "
+            f"cause: the plain step kept the GPU busy only "
+            f"{', '.join(f'{v:.0%}' for v in faster['GPU busy, plain'])} of the time, so both times were the host's. "
+            f"Such a row says nothing about checkpointing's cost.")
+    less = part[part["measured vs predicted"] == "costs less"]
+    if len(less):
+        b = less.index[-1]
+        r = less.loc[b]
+        added, fwd = r["GPU work added (ms)"], r["layer forward GPU work (ms)"]
+        busier = r["GPU busy, checkpointed"] > r["GPU busy, plain"] + 0.05
+        grew_ms = 1e3 * step_s[b] * r["time overhead (%)"] / 100
+        lines.append(
+            f"  Where it costs less than predicted (batch {', '.join(map(str, less.index))}), the GPU work added at "
+            f"batch {b} is {added:.1f} ms against {fwd:.1f} ms for the layers' forward pass timed on its own"
+            + (": the recomputed forward cost the GPU less than a separate forward pass (one profiled step each; "
+               "why is not measured here)" if added < 0.9 * fwd else "")
+            + (f", and the GPU busy fraction rose from {r['GPU busy, plain']:.0%} to "
+               f"{r['GPU busy, checkpointed']:.0%}: part of the recomputation's kernels ran where the GPU would "
+               f"otherwise have waited for the host." if busier else
+               f"; the GPU was busy {r['GPU busy, plain']:.0%} of the step without checkpointing and "
+               f"{r['GPU busy, checkpointed']:.0%} with it, so little recomputation can have hidden in idle time: the "
+               f"step grew by {grew_ms:.1f} ms" + (", about that added kernel time." if abs(grew_ms - added) <= 0.25 * added
+                                                   else f", against {added:.1f} ms of added kernel time.")))
+    return lines
+
+
+def gpu_limit_sentence(summary):
+    """The overhead where the GPU is the limit: busy at least GPU_BOUND_BUSY in both, and not idler when checkpointed."""
+    rows = summary[(summary["GPU busy, plain"] >= timing.GPU_BOUND_BUSY)
+                   & (summary["GPU busy, checkpointed"] >= timing.GPU_BOUND_BUSY)
+                   & (summary["GPU busy, checkpointed"] >= summary["GPU busy, plain"] - 0.05)
+                   & summary["time overhead (%)"].notna() & (summary["checkpointed vs plain"] != "faster")]
+    if not len(rows):
+        return ("None of these configurations kept the GPU busy most of the time, so none tests the Hugging Face "
+                "guide's rule of thumb (about 20% slower) for GPU-bound steps.")
+    lo, hi = rows["time overhead (%)"].min(), rows["time overhead (%)"].max()
+    span = f"{lo:.0f}%" if round(lo) == round(hi) else f"{lo:.0f} to {hi:.0f}%"
+    return (f"Where the GPU is the limit (busy {timing.GPU_BOUND_BUSY:.0%} or more both with and without checkpointing, "
+            f"and no idler with it: {len(rows)} of the rows above), checkpointing cost {span} here; the Hugging Face "
+            f"guide's rule of thumb is about 20%. Measure where your own batch sits.")
+
+
 if prof.on_gpu:
     lines = []
     for name in SETUPS:
         part = summary.loc[name].dropna(subset=["time overhead (%)"])
-        items = [f"batch {b}: {r['time overhead (%)']:+.0f}% ({r['checkpointed vs plain']}; noise ±{r['noise (%)']:.0f} percentage points), predicted "
-                 f"{r['predicted: layer forward / step (%)']:.0f}%, *{r['measured vs predicted']}*, GPU busy "
-                 f"{r['GPU busy, plain']:.0%} plain" for b, r in part.iterrows()]
-        lines.append(f"- **{name}**: " + "; ".join(items) + ".")
-        more = part[part["measured vs predicted"] == "costs more"]
-        host = (more["verdict, checkpointed"] == "host-bound") | (more["GPU busy, plain"] < timing.HOST_BOUND_BUSY)
-        for group, is_host in ((more[host], True), (more[~host], False)):
-            if not len(group):
-                continue
-            b = group.index[0]
-            r = group.loc[b]
-            matches = abs(r["GPU work added (ms)"] - r["layer forward GPU work (ms)"]) < 0.3 * r["layer forward GPU work (ms)"]
-            text = (f"  Where it costs more than predicted (batch {', '.join(map(str, group.index))}), the GPU work it "
-                    f"adds is {r['GPU work added (ms)']:.1f} ms at batch {b}, against "
-                    f"{r['layer forward GPU work (ms)']:.1f} ms for the layers' forward pass: ")
-            if is_host and matches:
-                text += ("the GPU does about one forward pass more, as theory says, but the step is host-bound (GPU busy "
-                         f"{r['GPU busy, checkpointed']:.0%} with checkpointing), so what sets its time is the CPU, and the "
-                         "recomputation launches every layer's kernels a second time and runs the checkpoint's Python "
-                         "hooks for each layer.")
-            elif matches:
-                text += (f"the GPU does about one forward pass more, and the step is not host-bound (GPU busy "
-                         f"{r['GPU busy, checkpointed']:.0%} with checkpointing); the difference is within "
-                         f"{abs(r['time overhead (%)'] - r['predicted: layer forward / step (%)']):.0f} points of the "
-                         f"prediction, a little more than this measurement's noise.")
-            else:
-                text += ("the extra GPU work itself is not one forward pass of the layers; the profile kept in "
-                         "`gc_timed` (`.profile.categories()`) shows where it goes.")
-            lines.append(text)
-        faster = part[part["measured vs predicted"] == "faster than plain"]
-        if len(faster):
-            lines.append(
-                f"  At batch {', '.join(map(str, faster.index))} the checkpointed step measured *faster* than the plain "
-                f"one ({', '.join(f'{v:+.0f}%' for v in faster['time overhead (%)'])}), which recomputation cannot "
-                f"cause: the plain step kept the GPU busy only "
-                f"{', '.join(f'{v:.0%}' for v in faster['GPU busy, plain'])} of the time, so its time was the host's, "
-                f"and a host's time can move between two timed runs by more than one run's IQR shows (this machine's "
-                f"CPU cores were shared with other work). Such a row says nothing about checkpointing's cost.")
-        less = part[part["measured vs predicted"] == "costs less"]
-        if len(less):
-            b = less.index[-1]
-            r = less.loc[b]
-            added, fwd = r["GPU work added (ms)"], r["layer forward GPU work (ms)"]
-            busier = r["GPU busy, checkpointed"] > r["GPU busy, plain"] + 0.02
-            grew_ms = 1e3 * plain.loc[(name, b), "step time (s)"] * r["time overhead (%)"] / 100
-            lines.append(
-                f"  Where it costs less than predicted (batch {', '.join(map(str, less.index))}), the GPU work added at "
-                f"batch {b} is {added:.1f} ms against {fwd:.1f} ms for the layers' forward pass timed on its own"
-                + (": the recomputed forward cost the GPU less than a separate forward pass (one profiled step each; "
-                   "why is not measured here)" if added < 0.9 * fwd else "")
-                + (f", and the GPU busy fraction rose from {r['GPU busy, plain']:.0%} to "
-                   f"{r['GPU busy, checkpointed']:.0%}: part of the recomputation's kernels ran where the GPU would "
-                   f"otherwise have waited for the host." if busier else
-                   f"; the GPU was busy {r['GPU busy, plain']:.0%} of the step without checkpointing and "
-                   f"{r['GPU busy, checkpointed']:.0%} with it, so no recomputation hid in idle time: the step grew "
-                   f"by {grew_ms:.1f} ms" + (", about that added kernel time." if abs(grew_ms - added) <= 0.25 * added
-                                             else f", against {added:.1f} ms of added kernel time.")))
+        lines += price_lines(name, part, plain.loc[name, "step time (s)"])
     s = shapes.loc["polyglot-ko-1.3b"]
     head_time = summary.loc["polyglot-ko-1.3b", "head + loss share of forward GPU time"]
     lines.append(
@@ -817,31 +847,11 @@ if prof.on_gpu:
            else f"{head_time.max():.0%}")
         + " of its forward GPU time; the prediction above already leaves them out, so they do not explain a gap "
         "between measured and predicted cost.")
-    busy_rows = summary[(summary["GPU busy, plain"] >= timing.GPU_BOUND_BUSY)
-                        & (summary["GPU busy, checkpointed"] >= timing.GPU_BOUND_BUSY)
-                        & summary["time overhead (%)"].notna() & (summary["measured vs predicted"] != "faster than plain")]
-    lines.append(
-        f"Where the GPU is the limit (busy {timing.GPU_BOUND_BUSY:.0%} or more both with and without checkpointing), "
-        f"checkpointing cost "
-        f"{busy_rows['time overhead (%)'].min():.0f} to {busy_rows['time overhead (%)'].max():.0f}% here; the Hugging "
-        f"Face guide's rule of thumb is about 20%. Measure where your own batch sits." if len(busy_rows) else
-        "None of these configurations kept the GPU busy most of the time, so none tests the Hugging Face guide's rule "
-        "of thumb (about 20% slower) for GPU-bound steps.")
+    lines.append(gpu_limit_sentence(summary))
     display(Markdown("\n".join(lines)))
 else:
     print("skipped on CPU: GPU kernel time and GPU-busy need a GPU, and a CPU's timings say nothing about a GPU's")
 
-
-# %% [markdown]
-# *Two notes on the sentences above, for the committed run.* For bert-large at batch 4 the gap to the prediction
-# (+47% against 29%) is 18 points, about 2.4 times the noise of ±7 points, so "a little more than this
-# measurement's noise" understates it; the kernel time checkpointing added (34.1 ms) matches the layers' forward
-# pass (32.5 ms), while the GPU was busy 86% of the checkpointed step against 96% of the plain one, so the rest of
-# the extra time is time the GPU waited; this row is the 47% at the top of the range given above for steps where the
-# GPU is the limit, so that figure includes the waiting. For the 1.3B model at batch 32 the busy fraction rose by
-# two points only
-# (95% to 97%), so little idle time was there to fill; what sets the smaller cost is mainly the added kernel time,
-# 38.8 ms against the 53.1 ms the layers' forward pass took on its own.
 
 # %% [markdown]
 # **The LLM book's case.** The book's 1.3B model ran out of memory at batch 16 on a T4 (chapters 1 and 3) and,
@@ -872,10 +882,6 @@ for label, on in (("bs 16", False), ("bs 16 + checkpointing", True)):
     book_rows[label] = attempt.value if attempt.fits else {"result": f"out of memory ({attempt.error})"}
 book = pd.DataFrame.from_dict(book_rows, orient="index")
 book["LLM book, T4"] = ["out of memory", "10.29 GiB after 1st step"]
-if prof.is_full and prof.on_gpu:
-    glue("book_ckpt_first_gib", book.loc["bs 16 + checkpointing", "allocated after 1st step (GiB)"])
-    glue("book_ckpt_peak_gib", book.loc["bs 16 + checkpointing", "peak allocated (GiB)"])
-    glue("book_plain_result", book_rows["bs 16"].get("result", "fits"))
 book
 
 
@@ -897,7 +903,8 @@ else:
 # %% [markdown]
 # **The Hugging Face guide's rows.** The guide adds checkpointing to bert-large at batch 1 with 4 accumulation
 # steps (on a V100: 66.03 s and 8,681 MiB without, 85.47 s and 6,775 MiB with, for 512 samples). The same pair
-# here, with chapter 3's accumulation loop, time per optimizer step:
+# here, with chapter 3's accumulation loop, time per optimizer step (the table: `time_it` for each; the
+# comparison: `timing.interleaved`, the two in alternating rounds):
 
 # %%
 def accumulate(model, optimizer, micro_batches):
@@ -920,46 +927,53 @@ for on in (False, True):
     accumulate(model, optimizer, micro)  # warm-up
     measure.reset_peak(prof.device)
     hf_timed[label] = t = timing.time_it(lambda: accumulate(model, optimizer, micro), device=prof.device, warmup=0,
-                                         repeat=prof.pick(tiny=10, full=30), profile_steps=1)  # a close pair: 30
+                                         repeat=10, profile_steps=1)
     hf_rows[label] = {
         "step time (s)": t.median_s, "step IQR (s)": t.wall.iqr, "samples/s": 4 / t.median_s,
         "GPU busy": t.gpu_busy if t.gpu_busy is not None else float("nan"),
         "peak allocated (GiB)": torch.cuda.max_memory_allocated() / GIB if prof.on_gpu else float("nan")}
+hf_cmp = timing.interleaved(lambda: accumulate(model, optimizer, micro), lambda: accumulate(model, optimizer, micro),
+                            device=prof.device, names=("bs 1 x ga 4", "bs 1 x ga 4 + checkpointing"),
+                            setup_a=lambda: set_checkpointing(model, False), setup_b=lambda: set_checkpointing(model, True),
+                            warmup=1, profile_steps=1)
 freed = cleanup.free(globals(), "model", "optimizer", "micro", "t")
 hf = pd.DataFrame(hf_rows).T
 hf["HF docs V100: samples/s"] = [7.75, 5.99]
 hf["HF docs V100: NVML used (MiB)"] = [8681, 6775]
-time_ratio = hf["step time (s)"].iloc[1] / hf["step time (s)"].iloc[0]
-if prof.is_full and prof.on_gpu:
-    glue("hf_time_ratio", time_ratio)
 hf
 
 # %% tags=["remove-input"]
-if prof.on_gpu:
-    cmp = timing.compare(hf_timed, "bs 1 x ga 4")["bs 1 x ga 4 + checkpointing"]
-    mem_ratio = hf["peak allocated (GiB)"].iloc[1] / hf["peak allocated (GiB)"].iloc[0]
-    busy, busy_ckpt = hf["GPU busy"].iloc[0], hf["GPU busy"].iloc[1]
-    if cmp["difference"] == "within the noise":
-        text = ("Checkpointing leaves this configuration's step time within the noise of the plain one here (the "
-                "table has each step's IQR), so this run cannot compare it with the guide, which measured "
-                f"{85.47 / 66.03:.2f} times slower on its V100. ")
+def guide_pair_sentence(c, mem_ratio, gpu_name):
+    """bs 1 x ga 4 with checkpointing (candidate) against without (baseline), interleaved."""
+    ratio, lo, hi = 1 / c.speedup, 1 / c.hi, 1 / c.lo  # checkpointed time over plain
+    guide = f"the guide measured {85.47 / 66.03:.2f} times on its V100"
+    if c.verdict == timing.NO_DIFFERENCE:
+        text = (f"Checkpointing shows no difference beyond the noise in this configuration's step time here ({c.phrase()}), "
+                f"where {guide}. ")
     else:
-        text = (f"Checkpointing makes this configuration {time_ratio:.2f} times as slow here ({cmp['difference']}, "
-                f"beyond the noise); the guide measured {85.47 / 66.03:.2f} times on its V100. ")
+        text = (f"Checkpointing makes this configuration {ratio:.2f} times as slow here (95% interval {lo:.2f}–{hi:.2f}, "
+                f"{c.rounds} interleaved rounds); {guide}. ")
     text += (f"The peak does not fall (ratio {mem_ratio:.2f}), where the guide's NVML reading fell to "
              f"{6775 / 8681:.2f}: at batch 1 our peak is the optimizer step, weights, gradients, AdamW's states and the "
              f"step's temporary buffer, none of which checkpointing touches (NVML, which the guide read, also counts "
              f"the allocator's cache and the CUDA context, which this peak of allocated memory leaves out). " if mem_ratio > 0.97 else
              f"The peak falls to {mem_ratio:.2f} of the plain one (the guide's NVML reading: {6775 / 8681:.2f}). ")
+    busy, busy_ckpt = c.a.gpu_busy, c.b.gpu_busy
     if min(busy, busy_ckpt) < timing.HOST_BOUND_BUSY:
-        text += (f"A batch of one sequence keeps this GPU ({cap.name}) busy {busy:.0%} of the plain step and "
+        launch = timing.us_per_launch(c.b)
+        text += (f"A batch of one sequence keeps this GPU ({gpu_name}) busy {busy:.0%} of the plain step and "
                  f"{busy_ckpt:.0%} of the checkpointed one: the GPU waits for the CPU for much of the time, and the "
-                 f"recomputation adds host work (each layer's kernels are launched again and the checkpoint runs its "
-                 f"per-layer Python code)"
+                 f"recomputation adds host work (each layer's kernels are launched again"
+                 + (f", at about {launch:.0f} µs of this host's time per operation," if launch else "")
+                 + " and the checkpoint runs its per-layer Python code)"
                  + (", which is why the step slows by more than the one extra forward pass of GPU work would (about "
-                    "1.33 times). " if cmp["difference"] == "slower" and time_ratio > 1.4 else ". "))
-    text += ("At batch 1 checkpointing buys little; it pays at the other end, where a batch does not fit at all.")
-    display(Markdown(text))
+                    "1.33 times); a faster CPU would narrow the gap. " if lo > 1.33 * (1 + c.threshold) else ". "))
+    return text + "At batch 1 checkpointing buys little; it pays at the other end, where a batch does not fit at all."
+
+
+if prof.on_gpu:
+    mem_ratio = hf["peak allocated (GiB)"].iloc[1] / hf["peak allocated (GiB)"].iloc[0]
+    display(Markdown(guide_pair_sentence(hf_cmp, mem_ratio, cap.name)))
 else:
     print("skipped on CPU: peak memory and GPU-busy need a GPU")
 
@@ -986,11 +1000,16 @@ else:
 # instead of hiding behind it.
 #
 # Each mode below runs forward and backward (no optimizer) on a stack of blocks in `profiles.amp_dtype()` (bf16
-# on GPUs of compute capability 8.0 and newer, fp16 below; fp32 in the tiny profile), batch 8 of 512 tokens,
-# timed with `time_it`. Columns: bytes kept for backward on the device (`SavedTensorMeter`, entered inside `save_on_cpu`: it
-# sees every saved tensor, lets `save_on_cpu` move it, and counts what stays on the device), the peak allocated memory
-# above the weights (GPU), the time, and the share of the forward FLOPs that is recomputed (matrix products only:
-# $8h^2 + 4sh$ per token for attention, $16h^2$ for the MLP).
+# on GPUs of compute capability 8.0 and newer, fp16 below; fp32 in the tiny profile). Memory is measured at batch 8
+# of 512 tokens: bytes kept for backward on the device (`SavedTensorMeter`, entered inside `save_on_cpu`: it sees
+# every saved tensor, lets `save_on_cpu` move it, and counts what stays on the device) and the peak allocated
+# memory above the weights (GPU). At batch 8 such a short pass keeps the GPU busy only part of the time (the
+# column *GPU busy, batch 8*): its wall time is the host's launching, which says nothing about recomputed FLOPs. So
+# the time is measured where the recomputation's cost is physical, at batch 64 (the activations, and with them
+# every mode's kept bytes, grow in proportion), with `timing.interleaved` against storing everything: the two
+# passes in alternating rounds, the median of the per-round ratios with its 95% interval. The last column is the
+# share of the forward FLOPs that is recomputed (matrix products only: $8h^2 + 4sh$ per token for attention,
+# $16h^2$ for the MLP).
 
 # %%
 n_blocks, stack_batch = prof.pick(tiny=2, full=8), prof.pick(tiny=4, full=8)
@@ -1010,7 +1029,7 @@ MODES = {  # label: (what each block recomputes, offload saved tensors to the CP
 }
 
 
-def stack_pass(recompute, offload, count=False):
+def stack_pass(recompute, offload, count=False, x=None):
     """Forward and backward through the stack; with ``count``, return the bytes kept for backward on the device.
 
     The meter sits inside ``save_on_cpu`` (a saved-tensor hook must be entered last to see the tensors): it
@@ -1024,151 +1043,161 @@ def stack_pass(recompute, offload, count=False):
     meter = accounting.SavedTensorMeter(stack) if count else nullcontext()
     try:
         with offloading, meter:
-            out = stack(stack_x)
+            out = stack(stack_x if x is None else x)
         out.float().square().mean().backward()
     finally:
         stack.zero_grad(set_to_none=True)
     return meter.kept_bytes(prof.device) if count else None
 
 
-stack_rows, stack_timed = {}, {}
-for label, (recompute, offload, share) in MODES.items():
+stack_rows = {}
+for label, (recompute, offload, _) in MODES.items():
     kept = stack_pass(recompute, offload, count=True)  # warm-up, and the count
     measure.reset_peak(prof.device)
     before = torch.cuda.memory_allocated() if prof.on_gpu else 0
-    stack_timed[label] = t = timing.time_it(lambda r=recompute, o=offload: stack_pass(r, o), device=prof.device,
-                                            warmup=1, repeat=10, profile_steps=1)
+    t = timing.time_it(lambda r=recompute, o=offload: stack_pass(r, o), device=prof.device, warmup=1, repeat=10,
+                       profile_steps=1)
     stack_rows[label] = {
         "kept on device (MiB)": kept / MIB,
         "peak above weights (MiB)": (torch.cuda.max_memory_allocated() - before) / MIB if prof.on_gpu else float("nan"),
-        "forward + backward (ms)": 1e3 * t.median_s,
-        "IQR (ms)": 1e3 * t.wall.iqr,
-        "GPU busy": t.gpu_busy if t.gpu_busy is not None else float("nan"),
-        "recomputed share of forward FLOPs": share,
+        f"GPU busy, batch {stack_batch}": t.gpu_busy if t.gpu_busy is not None else float("nan"),
     }
 del t
+time_batch = prof.pick(tiny=4, full=64)
+time_x = torch.randn(time_batch, block_seq, hidden, device=prof.device, dtype=stack_dtype)
+
+
+def mode_pass(label):
+    recompute, offload, _ = MODES[label]
+    return lambda: stack_pass(recompute, offload, x=time_x)
+
+
+stack_cmp = {label: timing.interleaved(mode_pass("store everything"), mode_pass(label), device=prof.device,
+                                       names=("store everything", label), warmup=1, profile_steps=1)
+             for label in MODES if label != "store everything"}
+cmp_halves = timing.interleaved(mode_pass("recompute attention"), mode_pass("recompute MLP"), device=prof.device,
+                                names=("recompute attention", "recompute MLP"), warmup=1, profile_steps=1)
 stack_table = pd.DataFrame(stack_rows).T
-base_ms = stack_table.loc["store everything", "forward + backward (ms)"]
-stack_table["time vs store everything"] = stack_table["forward + backward (ms)"] / base_ms
-stack_cmp = timing.compare(stack_timed, "store everything")
-stack_table["vs store everything"] = [stack_cmp[label]["difference"] for label in stack_table.index]
-if prof.is_full and prof.on_gpu:
-    for label, key in (("recompute whole block", "block"), ("offload to CPU (save_on_cpu)", "offload")):
-        glue(f"stack_{key}_time_ratio", stack_table.loc[label, "time vs store everything"])
+base = next(iter(stack_cmp.values())).a
+stack_table[f"batch {time_batch}: time (ms)"] = [1e3 * (stack_cmp[k].b if k in stack_cmp else base).wall.median
+                                                 for k in stack_table.index]
+stack_table["time vs store everything"] = [1 / stack_cmp[k].speedup if k in stack_cmp else 1.0 for k in stack_table.index]
+stack_table["95% low"] = [1 / stack_cmp[k].hi if k in stack_cmp else 1.0 for k in stack_table.index]
+stack_table["95% high"] = [1 / stack_cmp[k].lo if k in stack_cmp else 1.0 for k in stack_table.index]
+stack_table["vs store everything"] = [stack_cmp[k].verdict if k in stack_cmp else "—" for k in stack_table.index]
+stack_table[f"GPU busy, batch {time_batch}"] = [(stack_cmp[k].b if k in stack_cmp else base).gpu_busy
+                                                for k in stack_table.index]
+stack_table["recomputed share of forward FLOPs"] = [MODES[k][2] for k in stack_table.index]
 stack_table
 
 # %%
+def fastest_title(cmps, halves):
+    """The fastest memory-saving mode and, where the two halves are the candidates, the other one if within the noise."""
+    cheapest = max(cmps, key=lambda k: cmps[k].speedup)
+    other = {"recompute attention": "recompute MLP", "recompute MLP": "recompute attention"}.get(cheapest)
+    if other and halves.verdict == timing.NO_DIFFERENCE:
+        return f"fastest of the modes that save memory: {cheapest}, and {other} within the noise of it"
+    return f"fastest of the modes that save memory: {cheapest}"
+
+
 fig, ax = plt.subplots(figsize=(8, 4.6))
 palette = {"store everything": "C3", "recompute attention": "C1", "recompute MLP": "C4",
            "recompute whole block": "C0", "offload to CPU (save_on_cpu)": "C2"}
 memory_col = "peak above weights (MiB)" if prof.on_gpu else "kept on device (MiB)"
 for label, row in stack_table.iterrows():
-    t = stack_timed[label]
-    lo, hi = t.wall.q1 / stack_timed["store everything"].median_s, t.wall.q3 / stack_timed["store everything"].median_s
-    ax.errorbar(row["time vs store everything"], row[memory_col], xerr=[[row["time vs store everything"] - lo],
-                [hi - row["time vs store everything"]]], fmt="o", markersize=8, color=palette[label], label=label)
-del t
-ax.set_xlabel("forward + backward time, relative to storing everything (bars: IQR)")
-ax.set_ylabel(f"{memory_col.replace(' (MiB)', '')} (MiB)")
+    r = row["time vs store everything"]
+    ax.errorbar(r, row[memory_col], xerr=[[r - row["95% low"]], [row["95% high"] - r]], fmt="o", markersize=8,
+                color=palette[label], label=label)
+ax.set_xlabel(f"forward + backward time at batch {time_batch}, relative to storing everything (bars: 95% interval)")
+ax.set_ylabel(f"{memory_col.replace(' (MiB)', '')} at batch {stack_batch} (MiB)")
 ax.set_ylim(bottom=0)
 fig.legend(loc="lower center", ncol=3, fontsize=8)
-modes_timed = {k: stack_timed[k] for k in stack_table.index if k != "store everything"}
-cheapest = stack_table.loc[list(modes_timed), "time vs store everything"].idxmin()
-cmp_cheap = timing.compare(modes_timed, cheapest)
-tied = [k for k in modes_timed if k == cheapest or cmp_cheap[k]["difference"] != "slower"]
-ax.set_title(f"{n_blocks} blocks, hidden {hidden}, batch {stack_batch} x {block_seq}: every mode trades time for "
-             f"memory\n" + (f"fastest of the modes that save memory: {cheapest}" if len(tied) == 1 else
-                            f"fastest of the modes that save memory, within the noise of each other: "
-                            f"{' and '.join(tied)}"), fontsize=9)
+ax.set_title(f"{n_blocks} blocks, hidden {hidden}, {block_seq} tokens: every mode trades time for memory\n"
+             + fastest_title(stack_cmp, cmp_halves), fontsize=9)
 fig.tight_layout(rect=(0, 0.12, 1, 1))
 
 
-# %% [markdown]
-# *On the figure's title, for the committed run.* The three recomputing modes are each within the noise of the
-# fastest one, recomputing whole blocks (1.99 times storing everything, with an IQR of 8.33 ms), not of each other:
-# recomputing the MLP half (2.41 times) is slower than recomputing the attention half (2.12 times) by more than either
-# pass's IQR, as the next paragraph says. Recomputing whole blocks also kept the least memory of the three, so in this
-# small pass neither half-block mode bought anything with the memory it kept.
-
 # %% tags=["remove-input"]
+def halves_sentence(kept, halves, attn_share, mlp_share, time_batch):
+    """The attention half against the MLP half: bytes kept (batch 8) and time (interleaved, the timing batch)."""
+    text = (f"Recomputing the attention half keeps {kept['recompute attention']:,.0f} MiB for {attn_share:.0%} of the "
+            f"forward FLOPs again; recomputing the MLP half keeps {kept['recompute MLP']:,.0f} MiB for {mlp_share:.0%}. ")
+    text += ("The MLP half holds more bytes (its 4h-wide intermediate and GeLU input) and has more FLOPs to redo. "
+             if kept["recompute MLP"] < kept["recompute attention"] else
+             "Here the attention half holds more bytes, though the MLP half has more FLOPs to redo. ")
+    predicted = (3 + mlp_share) / (3 + attn_share)  # forward + backward (3 forwards) + the recomputed share
+    ratio, lo, hi = 1 / halves.speedup, 1 / halves.hi, 1 / halves.lo  # MLP pass time over attention pass time
+    text += (f"At batch {time_batch}, with the GPU busy {halves.a.gpu_busy:.0%} and {halves.b.gpu_busy:.0%} of the two "
+             f"passes, the pass that recomputes the MLP half takes {ratio:.2f} times as long as the one that recomputes "
+             f"attention (95% interval {lo:.2f}–{hi:.2f}, {halves.rounds} interleaved rounds); their FLOPs predict "
+             f"{predicted:.2f}. " if halves.a.gpu_busy is not None else
+             f"The pass that recomputes the MLP half takes {ratio:.2f} times as long as the one that recomputes "
+             f"attention (95% interval {lo:.2f}–{hi:.2f}); their FLOPs predict {predicted:.2f}. ")
+    text += {"slower": "Recomputing the MLP half costs more time, as its FLOPs say. ",
+             "faster": "Recomputing the MLP half costs less time, against its FLOPs: attention's kernels do less work "
+                       "per second than the MLP's matrix products. ",
+             timing.NO_DIFFERENCE: "That is no difference beyond the noise (±3%): the extra FLOPs of the MLP half are "
+                                   "too few, against a whole forward and backward pass, to separate the two. "}[halves.verdict]
+    return text
+
+
+def whole_block_sentence(kept, c):
+    """Whole-block recomputation against storing everything (interleaved), and the 1.33 of one extra forward pass."""
+    ratio, lo, hi = 1 / c.speedup, 1 / c.hi, 1 / c.lo
+    text = (f"Recomputing whole blocks keeps {kept['recompute whole block']:,.0f} MiB, one input per block, and takes "
+            f"{ratio:.2f} times as long as storing everything (95% interval {lo:.2f}–{hi:.2f}); one extra forward "
+            f"pass predicts about 1.33. ")
+    if c.a.gpu_busy is None:
+        return text
+    if min(c.a.gpu_busy, c.b.gpu_busy) < timing.HOST_BOUND_BUSY:
+        return text + (f"The GPU is busy only {c.a.gpu_busy:.0%} and {c.b.gpu_busy:.0%} of the two passes, so their "
+                       "wall time is the host's: this pass cannot test the 1.33. ")
+    if lo > 1.33 * 1.1:
+        return text + (f"It costs clearly more than the FLOPs predict: checkpointing adds GPU work "
+                       f"({(c.b.kernel_s - c.a.kernel_s) * 1e3:.1f} ms of kernels against {c.a.kernel_s * 1e3:.1f} ms) "
+                       f"and per-call costs: the checkpoint's hooks run in Python, it saves and restores the random "
+                       f"generator's state, and its recomputation launches the block's kernels a second time. ")
+    return text + (f"The kernels it adds, {(c.b.kernel_s - c.a.kernel_s) * 1e3:.1f} ms against "
+                   f"{c.a.kernel_s * 1e3:.1f} ms for the pass that stores everything, are what the prediction counts. ")
+
+
+def offload_sentence(kept_mib, off, c, time_batch, stack_batch):
+    """save_on_cpu against storing everything (interleaved), and the bandwidth its extra time implies."""
+    ratio, lo, hi = 1 / c.speedup, 1 / c.hi, 1 / c.lo
+    text = (f"Offloading keeps {kept_mib:,.0f} MiB for backward on the GPU (peak {off['peak above weights (MiB)']:,.0f} "
+            f"MiB above the weights at batch {stack_batch}), and at batch {time_batch} the pass takes {ratio:.1f} times "
+            f"as long as storing everything (95% interval {lo:.1f}–{hi:.1f}). ")
+    moved_gb = off["stored at the timing batch (MiB)"] * MIB / 1e9
+    extra_s = c.b.wall.median - c.a.wall.median
+    if c.verdict == "slower" and extra_s > 0:
+        text += (f"The {moved_gb:.1f} GB of activations (at least: `save_on_cpu` copies a tensor each time an "
+                 f"operation saves it, shared or not) cross the bus twice, which the extra time puts at "
+                 f"{2 * moved_gb / extra_s:.0f} GB/s or more. Here the blocks compute little per byte they save, so the "
+                 f"transfers dominate; offloading pays off where compute per activation byte is high (wide layers) or "
+                 f"the copies overlap with computation on a separate stream, which `save_on_cpu` does not do.")
+    return text
+
+
 st = stack_table
 attn_share, mlp_share = MODES["recompute attention"][2], MODES["recompute MLP"][2]
 kept = {k: st.loc[k, "kept on device (MiB)"] for k in st.index}
-cmp_halves = timing.compare({"attention": stack_timed["recompute attention"], "MLP": stack_timed["recompute MLP"]},
-                            "attention")["MLP"]
-text = (f"Storing everything keeps {kept['store everything']:,.0f} MiB for backward"
-        + ("" if stack_fused else ", the $s \\\\times s$ matrices of SDPA's math fallback included")
-        + f". Recomputing the attention half keeps {kept['recompute attention']:,.0f} MiB for {attn_share:.0%} of the "
-        f"forward FLOPs again; recomputing the MLP half keeps {kept['recompute MLP']:,.0f} MiB for {mlp_share:.0%}. ")
-text += ("The MLP half holds more bytes (its 4h-wide intermediate and GeLU input) and has more FLOPs to redo; "
-         if kept["recompute MLP"] < kept["recompute attention"] else
-         "Here the attention half holds more bytes, though the MLP half has more FLOPs to redo; ")
-text += {"slower": f"measured, it also costs more time: {st.loc['recompute MLP', 'time vs store everything']:.2f} "
-                   f"against {st.loc['recompute attention', 'time vs store everything']:.2f} times storing everything. ",
-         "faster": f"measured, though, it costs less time than recomputing attention: "
-                   f"{st.loc['recompute MLP', 'time vs store everything']:.2f} against "
-                   f"{st.loc['recompute attention', 'time vs store everything']:.2f} times storing everything, so the "
-                   f"FLOP count does not predict the time of this small pass. ",
-         "within the noise": f"measured, the two cost the same within the noise "
-                             f"({st.loc['recompute MLP', 'time vs store everything']:.2f} and "
-                             f"{st.loc['recompute attention', 'time vs store everything']:.2f} times storing "
-                             f"everything). "}[cmp_halves["difference"]]
-if prof.on_gpu:  # the wall time of a host-bound pass follows launches; the kernels' own time follows the work
-    t_attn, t_mlp = stack_timed["recompute attention"], stack_timed["recompute MLP"]
-    text += (f"The GPU's own time separates work from launches: the kernels of a pass take "
-             f"{t_attn.kernel_s * 1e3:.1f} ms with attention recomputed ({t_attn.kernels_per_call} GPU operations) and "
-             f"{t_mlp.kernel_s * 1e3:.1f} ms with the MLP recomputed ({t_mlp.kernels_per_call}), while the GPU is busy "
-             f"{t_attn.gpu_busy:.0%} and {t_mlp.gpu_busy:.0%} of the wall time"
-             + (", so the wall time of this pass is the host's launching, not the recomputed FLOPs. "
-                if max(t_attn.gpu_busy, t_mlp.gpu_busy) < timing.HOST_BOUND_BUSY else ". "))
-block = st.loc["recompute whole block"]
-text += (f"Recomputing whole blocks keeps {kept['recompute whole block']:,.0f} MiB, one input per block, and takes "
-         f"{block['time vs store everything']:.2f} times as long as storing everything "
-         f"(one extra forward pass predicts about 1.33). ")
+text = (f"Storing everything keeps {kept['store everything']:,.0f} MiB for backward at batch {stack_batch}"
+        + ("" if stack_fused else ", the $s \\times s$ matrices of SDPA's math fallback included") + ". "
+        + halves_sentence(kept, cmp_halves, attn_share, mlp_share, time_batch)
+        + whole_block_sentence(kept, stack_cmp["recompute whole block"]))
 if prof.on_gpu:
-    t_none, t_block = stack_timed["store everything"], stack_timed["recompute whole block"]
-    if block["time vs store everything"] > 1.33 + (t_none.wall.iqr + t_block.wall.iqr) / t_none.median_s:
-        text += (f"It costs more than the FLOPs predict. One pass through this stack takes "
-                 f"{base_ms:.1f} ms, with the GPU busy {t_none.gpu_busy:.0%} of it (*{t_none.verdict}*); checkpointing "
-                 f"adds GPU work ({(t_block.kernel_s - t_none.kernel_s) * 1e3:.1f} ms of kernels against "
-                 f"{t_none.kernel_s * 1e3:.1f} ms) and per-call costs that so short a pass cannot hide: the checkpoint's "
-                 f"hooks run in Python, it saves and restores the random generator's state, and its recomputation "
-                 f"launches the block's kernels a second time. ")
-    else:
-        text += "That is within what one extra forward pass predicts. "
+    block = st.loc["recompute whole block"]
     text += (f"The peak, which includes the weights' gradients and the rebuilt activations of one block during its "
              f"backward pass, falls less than the kept bytes: from {st.loc['store everything', 'peak above weights (MiB)']:,.0f} "
              f"to {block['peak above weights (MiB)']:,.0f} MiB for whole blocks.")
-    off = st.loc["offload to CPU (save_on_cpu)"]
-    moved_gb = kept["store everything"] * MIB / 1e9
-    extra_s = (off["forward + backward (ms)"] - base_ms) / 1e3
-    text += (f"\n\nOffloading keeps {kept['offload to CPU (save_on_cpu)']:,.0f} MiB for backward on the GPU (peak "
-             f"{off['peak above weights (MiB)']:,.0f} MiB above the weights), and the pass takes "
-             f"{off['time vs store everything']:.1f} times as long ({stack_cmp['offload to CPU (save_on_cpu)']['difference']}"
-             f" than storing everything). ")
-    if extra_s > 0:
-        text += (f"The {moved_gb:.1f} GB of activations (at least: `save_on_cpu` copies a tensor each time an operation "
-                 f"saves it, shared or not) cross the bus twice, which the extra time puts at {2 * moved_gb / extra_s:.0f} "
-                 f"GB/s or more. Here the blocks compute little per byte they save, so the transfers dominate; "
-                 f"offloading pays off where compute per activation byte is high (wide layers) or the copies overlap "
-                 f"with computation on a separate stream, which `save_on_cpu` does not do.")
+    off = st.loc["offload to CPU (save_on_cpu)"].copy()
+    off["stored at the timing batch (MiB)"] = kept["store everything"] * time_batch / stack_batch
+    text += "\n\n" + offload_sentence(kept["offload to CPU (save_on_cpu)"], off,
+                                        stack_cmp["offload to CPU (save_on_cpu)"], time_batch, stack_batch)
 else:
     text += "\n\n(On a CPU there is no device memory to offload to and no GPU time: the GPU run's numbers differ.)"
 display(Markdown(text))
 
-
-# %% [markdown]
-# *On the two halves, for the committed run.* Neither the FLOPs nor the number of launches orders them: the pass that
-# recomputes the MLP half ran fewer GPU operations (432 against 440) and about the same kernel time (8.5 against
-# 8.2 ms), yet took longer (2.41 against 2.12 times storing everything). What the host spent the difference on is not
-# measured here; chapter 8's profiler would show it.
-
-# %% [markdown]
-# *On "within what one extra forward pass predicts".* In the committed run the whole-block pass took 30.37 ms with
-# an IQR of 8.33 ms, against 15.29 ms (IQR 1.74 ms) for storing everything: its 1.99 times falls inside the
-# prediction's noise band only because that spread is so wide. The GPU sat idle for more than half of the pass
-# (busy 48% of the time when storing everything, 31% recomputing whole blocks), so its wall time follows the host
-# more than the recomputed FLOPs, and this run neither confirms nor refutes the 1.33.
 
 # %% [markdown]
 # Transformers can combine the two ideas: in releases whose checkpointing switch takes `offload=True`
@@ -1202,18 +1231,35 @@ if prof.on_gpu:
     offload_api = enable.__name__ if enable is not None else None
     for label, kwargs in (("checkpointing", {}), ("checkpointing + offload", {"offload": True})) if enable else ():
         enable({"use_reentrant": False}, **kwargs)
-        train_step(model, optimizer, batch)  # warm-up (AdamW's states on first use)
+        steps.train_step(model, optimizer, batch)  # warm-up (AdamW's states on first use)
         measure.reset_peak(prof.device)
-        offload_timed[label] = timing.time_it(lambda m=model, o=optimizer, b=batch: train_step(m, o, b),
+        offload_timed[label] = timing.time_it(lambda m=model, o=optimizer, b=batch: steps.train_step(m, o, b),
                                               device=prof.device, warmup=0, repeat=10, profile_steps=1)
         offload_rows[label] = {"step time (s)": offload_timed[label].median_s,
                                "IQR (ms)": offload_timed[label].wall.iqr * 1e3,
                                "peak allocated (GiB)": torch.cuda.max_memory_allocated() / GIB}
         set_checkpointing(model, False)
+    if enable:  # the comparison: the two in alternating rounds, the switch set (untimed) before each
+        cmp_off = timing.interleaved(
+            lambda m=model, o=optimizer, b=batch: steps.train_step(m, o, b),
+            lambda m=model, o=optimizer, b=batch: steps.train_step(m, o, b), device=prof.device,
+            names=("checkpointing", "checkpointing + offload"), setup_a=lambda: enable({"use_reentrant": False}),
+            setup_b=lambda: enable({"use_reentrant": False}, offload=True), warmup=1, profile_steps=1)
+        set_checkpointing(model, False)
     freed = cleanup.free(globals(), "model", "optimizer", "batch", "enable")
 pd.DataFrame(offload_rows).T if offload_rows else None
 
 # %% tags=["remove-input"]
+def offload_step_phrase(c):
+    """Checkpointing + offload (candidate) against checkpointing alone (baseline), interleaved."""
+    text = (f"The step took {prose.ms(c.b.wall.median)} with offloading and {prose.ms(c.a.wall.median)} without; in "
+            f"alternating rounds its speed is {c.phrase(what='than checkpointing alone')}")
+    if c.verdict == "slower" and c.b.gpu_busy is not None and c.b.gpu_busy < c.a.gpu_busy - 0.05:
+        text += (f", and the GPU is busy {c.b.gpu_busy:.0%} of the offloading step against {c.a.gpu_busy:.0%}: it waits "
+                 "for the copies, which run on the computation's stream")
+    return text + ". "
+
+
 if not prof.on_gpu:
     print("skipped on CPU: offloading moves activations off a GPU")
 elif not offload_api:
@@ -1221,13 +1267,11 @@ elif not offload_api:
                      f"`gradient_checkpointing_enable` or `activation_checkpointing_enable`: skipped."))
 else:
     a, b = offload_rows["checkpointing"], offload_rows["checkpointing + offload"]
-    cmp_off = timing.compare(offload_timed, "checkpointing")["checkpointing + offload"]
     pa, pb = a["peak allocated (GiB)"], b["peak allocated (GiB)"]
     text = (f"With transformers {transformers.__version__} (`{offload_api}(offload=True)`), bert-large at batch 8: "
             + (f"offloading the checkpoints left the peak at {pa:.2f} GiB" if abs(pa - pb) < 0.01 else
                f"offloading the checkpoints moved the peak from {pa:.2f} to {pb:.2f} GiB")
-            + f" and moved the step from {a['step time (s)'] * 1e3:.0f} to {b['step time (s)'] * 1e3:.0f} ms "
-              f"({cmp_off['difference']}). ")
+            + ". " + offload_step_phrase(cmp_off))
     ckpt_peaks = summary.loc["bert-large-uncased", "peak, checkpointed (GiB)"].dropna()
     if pb > 0.9 * pa:
         text += ("With checkpointing, the layers' inputs are all that is left to offload, and at this batch they are "
@@ -1248,7 +1292,7 @@ else:
 
 
 # %%
-freed = cleanup.free(globals(), "stack", "stack_x", "stack_pass")
+freed = cleanup.free(globals(), "stack", "stack_x", "time_x", "stack_pass", "mode_pass")
 if prof.on_gpu:
     print(f"allocated after the last experiment: {torch.cuda.memory_allocated() / MIB:,.1f} MiB")
 

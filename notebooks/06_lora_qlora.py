@@ -69,7 +69,6 @@ from torch import nn
 from transformers.utils import logging as hf_logging
 
 from helpers import accounting, cleanup, data, estimates, measure, models, plots, profiles, train
-from helpers.glue import glue
 from helpers.measure import GIB, MIB
 
 hf_logging.disable_progress_bar()  # from_pretrained and save_pretrained draw no progress bars
@@ -89,7 +88,7 @@ env.report(prof)
 # %%
 from IPython.display import Markdown, display
 
-from helpers import timing
+from helpers import prose, steps, timing
 
 cap = profiles.capability()  # None on a CPU
 AMP = profiles.amp_dtype()
@@ -188,7 +187,6 @@ lora_counts = pd.Series({
     "trainable parameters": f"{trainable:,}", "by formula: sum of r (d_in + d_out)": f"{by_formula:,}",
     "trainable share": f"{100 * trainable / n_base:.3f} %",
 })
-glue("lora_trainable", trainable)
 lora_counts
 
 # %% tags=["remove-input"]
@@ -515,17 +513,17 @@ CONFIGS = {
     QLORA: (qlora, curve_steps),
 }
 results, curves, timings = {}, {}, {}
-for name, (build, steps) in CONFIGS.items():
+for name, (build, n_steps) in CONFIGS.items():
     if budget is not None:
         with measure.gpu_budget(budget.budget_gib):
-            row, losses, timed = run(build, steps)
+            row, losses, timed = run(build, n_steps)
         on_t4 = row["result"]
         if on_t4 != "ok":  # it does not fit a T4: measure it on the whole GPU, and say so
             cleanup.free(globals())
-            row, losses, timed = run(build, steps)
+            row, losses, timed = run(build, n_steps)
         row = {"emulated T4": on_t4, "measured on": "T4 budget" if on_t4 == "ok" else "whole GPU", **row}
     else:
-        row, losses, timed = run(build, steps)
+        row, losses, timed = run(build, n_steps)
     results[name], curves[name] = row, losses
     if timed is not None:
         timings[name] = timed
@@ -535,7 +533,6 @@ for name, (build, steps) in CONFIGS.items():
               f"{torch.cuda.memory_allocated() / MIB:,.0f} MiB")
 ft = pd.DataFrame(results).T
 ok_rows = ft[ft["result"] == "ok"].index
-glue("ft_configs_ok", len(ok_rows))
 ft.drop(columns=["run (s)"])
 
 # %%
@@ -719,79 +716,98 @@ else:
 # optimizer's work; QLoRA, in addition, dequantizes every weight from 4 bits, in the forward pass and again in the
 # backward pass, and uses bitsandbytes' 8-bit optimizer instead of fused AdamW. Whether any of that shows in the
 # step time depends on what limits the step; the middle configuration again separates the two changes.
-# `time_it`'s medians, spreads and verdicts, the GPU kernel time beside them, and `timing.compare` against full
-# fine-tuning with autocast (where it ran out of memory, as on a real T4, against LoRA):
+# The table has `time_it`'s medians, spreads and verdicts from the runs above, with the GPU kernel time beside them.
+# Those runs were timed one after the other; the comparisons come from `timing.interleaved` (chapter 8), one change
+# at a time, the two configurations alive together on the whole GPU and their steps (`steps.make_step`) in
+# alternating rounds: LoRA against full fine-tuning with autocast (where that does not fit, as on a real T4, the
+# pair is skipped), the 8-bit optimizer against fused AdamW on the same LoRA model, and the 4-bit base against the
+# 16-bit one, both with the 8-bit optimizer:
 
 # %%
 speed_cols = ["step (ms)", "step IQR (ms)", "tokens/s", "GPU busy", "verdict"]
 speed = ft.loc[ok_rows, [c for c in speed_cols if c in ft.columns]].copy()
-reference = FTMIX if FTMIX in timings else next(iter(timings), None)
-if reference is not None:
-    cmp = timing.compare(timings, baseline=reference)
-    speed[f"speed-up vs {reference}"] = [cmp[n]["speed-up"] for n in speed.index]
-    speed["difference"] = [cmp[n]["difference"] for n in speed.index]
-    speed.loc[reference, "difference"] = "reference"
-    speed["GPU kernel time (ms)"] = [1e3 * timings[n].kernel_s if timings[n].kernel_s is not None else float("nan")
-                                     for n in speed.index]
-    speed["GPU ops per step"] = [timings[n].kernels_per_call for n in speed.index]
-speed
+speed["GPU kernel time (ms)"] = [1e3 * timings[n].kernel_s if n in timings and timings[n].kernel_s is not None
+                                 else float("nan") for n in speed.index]
+speed["GPU ops per step"] = [timings[n].kernels_per_call if n in timings else None for n in speed.index]
+display(speed)
+
+lm_first = {k: v.to(dev) for k, v in next(iter(train.batches(ds_lm, lm_batch, seed=0))).items()}
+speed_cmp = {}
+
+
+def interleave(name_a, a, name_b, b):
+    """Two (model, optimizer, autocast dtype) configurations' steps on one batch, in alternating rounds."""
+    return timing.interleaved(steps.make_step(a[0], a[1], lm_first, amp=a[2]),
+                              steps.make_step(b[0], b[1], lm_first, amp=b[2]), device=dev, names=(name_a, name_b),
+                              rounds=prof.pick(tiny=10, full=15), warmup=3, profile_steps=1)
+
+
+lora_cfg = lora()
+try:
+    full_cfg = full_finetuning(AMP)
+    speed_cmp[(FTMIX, LORA)] = interleave(FTMIX, full_cfg, LORA, lora_cfg)
+except torch.OutOfMemoryError:
+    print(f"{FTMIX} and {LORA} do not fit this GPU together: that pair is skipped")
+cleanup.free(globals(), "full_cfg")
+eight_bit = Optim8bit([p for p in lora_cfg[0].parameters() if p.requires_grad], lr=LR_LORA)  # the same adapters
+speed_cmp[(LORA, LORA8)] = interleave(LORA, lora_cfg, LORA8, (lora_cfg[0], eight_bit, AMP))
+qlora_cfg = qlora()
+speed_cmp[(LORA8, QLORA)] = interleave(LORA8, (lora_cfg[0], eight_bit, AMP), QLORA, qlora_cfg)
+cleanup.free(globals(), "lora_cfg", "qlora_cfg", "eight_bit", "lm_first")
+pd.DataFrame({f"{b} vs {a}": c.row() for (a, b), c in speed_cmp.items()}).T
 
 # %% tags=["remove-input"]
-if prof.on_gpu and reference is not None and LORA in timings:
-    lo = timings[LORA]
-    text = f"A LoRA step took {lo.wall.median * 1e3:.0f} ms (IQR {lo.wall.iqr * 1e3:.1f})"
-    text += (f", {cmp[LORA]['speed-up']:.2f} times the speed of {reference}, {cmp[LORA]['difference']}; "
-             if reference != LORA else "; full fine-tuning did not fit, so there is no full step to compare. ")
-    if QLORA in timings:
-        q = timings[QLORA]
-        text += (f"QLoRA took {q.wall.median * 1e3:.0f} ms (IQR {q.wall.iqr * 1e3:.1f}), "
-                 f"{cmp[QLORA]['speed-up']:.2f} times the speed of {reference}, {cmp[QLORA]['difference']}. ")
-    text += f"The LoRA step kept the GPU busy {lo.gpu_busy:.0%} of the time"
-    if lo.kernel_s is not None:
-        text += f", its kernels ran for {lo.kernel_s * 1e3:.0f} ms of the {lo.wall.median * 1e3:.0f} ms,"
-    text += f" and it ran {lo.kernels_per_call:,} GPU operations (verdict: *{lo.verdict}*)"
-    if reference != LORA:
-        ref = timings[reference]
-        text += f"; {reference}: busy {ref.gpu_busy:.0%}, {ref.kernels_per_call:,} operations (*{ref.verdict}*)"
-    text += ". "
-    if lo.verdict == "host-bound":
-        text += (f"At {lm_batch * lm_seq:,} tokens per step the LoRA step is host-bound: its time is the CPU's time "
-                 f"to issue kernels, and each of the {4 * n_layers} adapted layers adds kernels of its own (the two "
-                 f"adapter products, dropout, casts and the scaling, in the forward and the backward pass). The FLOPs "
-                 f"LoRA saves can show only where the GPU is the limit; chapter 4 times this model's step at batches "
-                 f"from 4 to 32 and shows where it turns GPU-bound. ")
+def lora_speed_text(cmps, n_layers, tokens):
+    """LoRA against full fine-tuning, then one change at a time (8-bit optimizer, 4-bit base), all interleaved."""
+    text = ""
+    full = next((c for (a, b), c in cmps.items() if b == LORA), None)
+    if full is not None:
+        lo, ref = full.b, full.a
+        text += (f"A LoRA step against a step of {full.a_name}: {full.phrase(what=f'than {full.a_name}')}. The LoRA "
+                 f"step kept the GPU busy {lo.gpu_busy:.0%} of the time, its kernels ran for {prose.ms(lo.kernel_s)} of "
+                 f"{prose.ms(lo.wall.median)}, and it ran {lo.kernels_per_call:,} GPU operations (*{lo.verdict}*); "
+                 f"{full.a_name}: busy {ref.gpu_busy:.0%}, {prose.ms(ref.kernel_s)} of kernels, "
+                 f"{ref.kernels_per_call:,} operations (*{ref.verdict}*). ")
+        if lo.verdict == "host-bound":
+            text += (f"At {tokens:,} tokens per step the LoRA step is host-bound: its time is the CPU's time to issue "
+                     f"kernels, about {timing.us_per_launch(lo):.0f} µs per operation on this host, and each of the "
+                     f"{4 * n_layers} adapted layers adds kernels of its own (the two adapter products, dropout, casts "
+                     f"and the scaling, in the forward and the backward pass). "
+                     + ("The FLOPs LoRA saves show in the kernel time, not in the step's; " if lo.kernel_s < ref.kernel_s
+                        else "")
+                     + "chapter 4 times this model's step at batches from 4 to 32 and shows where it turns GPU-bound. ")
+        else:
+            text += "The step is not host-bound here, so the FLOPs LoRA saves can show in its time. "
     else:
-        text += "The step is not host-bound here, so the FLOPs LoRA saves can show in its time. "
-    if LORA8 in timings and QLORA in timings:
-        l8 = timings[LORA8]
-        d_opt = timing.difference(lo.wall, l8.wall)
-        d_base = timing.difference(l8.wall, q.wall)
-        text += (f"One change at a time: the 8-bit optimizer took the step from {lo.wall.median * 1e3:.0f} to "
-                 f"{l8.wall.median * 1e3:.0f} ms ({d_opt}; {l8.kernels_per_call - lo.kernels_per_call:+,} GPU "
-                 f"operations), the 4-bit base from {l8.wall.median * 1e3:.0f} to {q.wall.median * 1e3:.0f} ms "
-                 f"({d_base}; {q.kernels_per_call - l8.kernels_per_call:+,} operations, the dequantization kernels "
-                 f"among them). ")
-        if d_opt == "slower":
-            text += ("bitsandbytes' 8-bit optimizer updates the adapter tensors one at a time and synchronises with "
-                     "the GPU (`torch.cuda.synchronize()`) after each, where fused AdamW updates them all in a few "
-                     "multi-tensor launches")
-            if d_base != "slower" and l8.verdict == "host-bound":
-                text += (": at a host-bound step that costs more than the dequantization kernels, which the GPU runs "
-                         "in time it would otherwise spend waiting. ")
-            else:
-                text += ". "
-        if d_base == "slower":
-            text += "The 4-bit base's extra kernels show in the step time here. "
-    display(Markdown(text))
+        text += "Full fine-tuning and LoRA did not fit this GPU together, so there is no full step to compare. "
+    opt, base = cmps[(LORA, LORA8)], cmps[(LORA8, QLORA)]
+    text += (f"One change at a time. The 8-bit optimizer, against fused AdamW on the same adapters: "
+             f"{opt.phrase(what='than fused AdamW')}, with {opt.b.kernels_per_call - opt.a.kernels_per_call:+,} GPU "
+             f"operations per step. ")
+    if opt.verdict == "slower":
+        text += ("bitsandbytes' 8-bit optimizer updates the adapter tensors one at a time, a few launches each, where "
+                 "fused AdamW updates them all in a few multi-tensor launches. ")
+    extra_wall = base.b.wall.median - base.a.wall.median
+    extra_kernel = base.b.kernel_s - base.a.kernel_s
+    text += (f"The 4-bit base, against the 16-bit one: {base.phrase(what='than the 16-bit base')}; it adds "
+             f"{base.b.kernels_per_call - base.a.kernels_per_call:+,} GPU operations per step (each quantized layer "
+             f"dequantizes its weight in the forward pass and again in the backward pass, through bitsandbytes' "
+             f"Python code), which raise the GPU's kernel time by {prose.ms(extra_kernel)} and the step's wall time by "
+             f"{prose.ms(extra_wall)}. ")
+    if base.verdict == "slower" and extra_wall > 0 and extra_kernel < 0.5 * extra_wall:
+        text += (f"So {max(extra_wall - extra_kernel, 0) / extra_wall:.0%} of the extra time is not the GPU "
+                 f"running the dequantization but the host issuing it: the 4-bit base's cost is host time, and the "
+                 f"reader's CPU decides how large it is.")
+    elif base.verdict == "slower":
+        text += "Most of the extra time is the GPU's: the dequantization kernels themselves."
+    return text
+
+
+if prof.on_gpu:
+    display(Markdown(lora_speed_text(speed_cmp, n_layers, lm_batch * lm_seq)))
 else:
     print("skipped on CPU: step times and GPU-busy fractions need a GPU")
 
-# %% [markdown]
-# In the committed run the 4-bit base raised the GPU kernel time only from 29.53 to 40.48 ms, while the step's wall
-# time rose from 172.88 to 262.89 ms, with the GPU busy 15% of the QLoRA step (table above). Most of that slowdown is
-# therefore the host's time to issue the 4-bit layers' extra work (+757 GPU operations per step: each quantized
-# layer dequantizes its weight in the forward pass and again in the backward pass, through bitsandbytes' Python
-# code), not the GPU's time to run the dequantization. This run does not split the host time by operation.
 
 # %% [markdown]
 # **The rank.** How do trainable parameters and memory grow with $r$? LoRA with $r$ from 4 to 256 on the same four
@@ -858,6 +874,19 @@ fig.suptitle("LoRA on every linear layer of the 1.3B model: what the rank costs"
 fig.tight_layout()
 
 # %% tags=["remove-input"]
+def rank_times_text(steps_ms, same, here, r):
+    """The ranks' step times (separate blocks of steps) and the same configuration timed twice, as numbers only."""
+    order = ("grow with the rank" if steps_ms.is_monotonic_increasing else
+             "do not follow the order of the rank")
+    gap = abs(here.median - same.median)
+    return (f"The step times {order}; each rank was timed as its own block of steps, and blocks can drift apart on a "
+            f"host-bound step by more than the IQR of ten consecutive steps shows. The same configuration, r = {r}, "
+            f"took {here.median * 1e3:.0f} ms (IQR {here.iqr * 1e3:.1f}) here and {same.median * 1e3:.0f} ms (IQR "
+            f"{same.iqr * 1e3:.1f}) in section 6.3's run, {gap / min(here.median, same.median):.0%} apart: a measure "
+            f"of that drift, not a cost of the rank. ")
+
+
+# %% tags=["remove-input"]
 if len(rank_ok) >= 2:
     lo_r, hi_r = rank_ok.index[0], rank_ok.index[-1]
     a, b = rank_ok.loc[lo_r], rank_ok.loc[hi_r]
@@ -893,12 +922,7 @@ if len(rank_ok) >= 2:
         text += f" (verdicts: {listing(verdicts)})"
         text += (": a host-bound step, whose time is set by launching its kernels, whose number the rank does not "
                  "change, only their size. " if verdicts == ["host-bound"] else ". ")
-        diff = timing.difference(same, here)
-        text += (f"The same configuration, r = {R}, took {here.median * 1e3:.0f} ms (IQR {here.iqr * 1e3:.1f}) here "
-                 f"and {same.median * 1e3:.0f} ms (IQR {same.iqr * 1e3:.1f}) in the comparison above: "
-                 + ("within the noise of each other. " if diff == "within the noise" else
-                    f"{diff} here by more than the spread, a measure of how much this step's timing varies between "
-                    f"two runs. "))
+        text += rank_times_text(steps_ms, same, here, R)
     text += ("The LoRA paper found small ranks sufficient for the tasks it studied "
              "([Hu et al. (2022)](../book/references.md)), with the α/r scaling that section 6.1 discussed; "
              "with rsLoRA's scaling, larger ranks keep improving the fine-tuned model "
@@ -906,12 +930,6 @@ if len(rank_ok) >= 2:
     display(Markdown(text))
 else:
     print("skipped: fewer than two ranks ran")
-
-# %% [markdown]
-# In the committed run some ranks' step times differ by more than their IQRs (139.71 ms at r = 32, 183.62 ms at
-# r = 128 and 154.26 ms at r = 256), but not in the order of the rank. This is most likely the variation between
-# separate timings of a host-bound step, which the IQR of ten consecutive steps does not capture, not a cost of the
-# rank.
 
 # %% [markdown]
 # ## 6.4 Does it learn?
@@ -926,7 +944,7 @@ else:
 # %%
 floor = data.markov_loss_floor(4)
 assert math.isclose(floor, math.log(4))
-learn_names = [n for n, (_, steps) in CONFIGS.items() if steps == curve_steps]
+learn_names = [n for n, (_, n_steps) in CONFIGS.items() if n_steps == curve_steps]
 learn = {n: curves[n] for n in learn_names if len(curves[n]) == curve_steps}
 final = pd.Series({n: pd.Series(learn[n][-10:]).mean() if n in learn else float("nan") for n in learn_names},
                   name="loss, last 10 steps (nats)")
