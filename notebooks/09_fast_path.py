@@ -70,9 +70,8 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 import transformers
-from IPython.display import Markdown, display
+from IPython.display import display
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.profiler import record_function
 
 from helpers import (
     accounting,
@@ -148,7 +147,7 @@ def seconds_left():
     return BUDGET_S - spent_s
 
 
-findings = []  # one row per comparison: the closing table of section 9.7
+findings, finding_cmps = [], []  # one row per comparison, and the comparison: the closing table of section 9.7
 
 
 def note_finding(technique, model, c):
@@ -158,6 +157,7 @@ def note_finding(technique, model, c):
                      "speed-up": c.speedup, "95% interval": f"{c.lo:.2f}–{c.hi:.2f}",
                      "kernel-time speed-up": c.kernel_ratio, "baseline GPU busy": c.a.gpu_busy,
                      "baseline regime": c.a.verdict, "verdict": c.verdict})
+    finding_cmps.append(c)
     return c
 
 
@@ -444,9 +444,10 @@ if prof.on_gpu and eager_ok:
             best_ = fastest_fused(s_)
             if best_ is not None:
                 fa, fb = attention_call("eager", s_, AMP), attention_call(best_, s_, AMP)
-                attn_cmp[s_] = compare(fa, fb, ("eager", best_), busy=False)
+                attn_cmp[s_] = note_finding(f"fused attention ({best_}), forward + backward", f"attention, s = {s_:,}",
+                                            compare(fa, fb, ("eager", best_)))
                 del fa, fb
-    display(pd.DataFrame({s_: c.row() for s_, c in attn_cmp.items()}).T.rename_axis("seq len"))
+    display(timing.comparisons_table(attn_cmp).rename_axis("seq len"))
 else:
     print("skipped on CPU: the comparisons of attention kernels are a GPU matter")
 
@@ -564,8 +565,8 @@ if profiles.cuda_or_skip("fp16 and bf16 attention kernels are a GPU matter") and
                 if fa.fits and fb.fits and fa.value is not None and fb.value is not None:
                     dtype_cmp[(impl, s_)] = compare(fa.value, fb.value, ("bf16", "fp16"), busy=False)
                 del fa, fb
-    dtype_table = pd.DataFrame({k: c.row() for k, c in dtype_cmp.items()}).T.rename_axis(["implementation", "seq len"])
-    display(dtype_table)
+    if dtype_cmp:
+        display(timing.comparisons_table(dtype_cmp).rename_axis(["implementation", "seq len"]))
 elif prof.on_gpu:
     print("skipped: this GPU has no bf16 tensor cores, so the sweep above already ran in fp16")
 
@@ -653,7 +654,7 @@ pd.Series(leak, name="largest |logit difference| to each document run alone").to
 
 # %% tags=["remove-input"]
 if leak["packed, the model's defaults"] > 1e-2:
-    display(Markdown(
+    prose.say(
         "With `use_cache=False` the packed row reproduces every document's logits to float rounding: the boundaries "
         "hold. **With the model's defaults they do not**: the config's `use_cache=True` makes the model create a "
         "key-value cache for this forward pass (an evaluation pass here; transformers' masking code checks for a cache "
@@ -661,13 +662,13 @@ if leak["packed, the model's defaults"] > 1e-2:
         "ids only when there is no cache. The documents then attend to each other and the logits differ as much as "
         "in the naive concatenation. Pass `use_cache=False` (or set `model.config.use_cache = False`) when training "
         "on packed rows, and check it as here: the failure is silent."
-    ))
+    )
 else:
-    display(Markdown(
+    prose.say(
         "The packed row reproduces every document's logits to float rounding, with `use_cache=False` and with the "
         "model's defaults: in this transformers version the boundaries hold either way. Passing `use_cache=False` "
         "for training costs nothing and protects against versions in which a cache disables the check."
-    ))
+    )
 
 # %% [markdown]
 # **The loss pitfall of chapter 3, again.** A packed row's loss is the mean over its labelled tokens, so a
@@ -765,7 +766,7 @@ for label, batches in batchings.items():
 pack_table = pd.DataFrame(pack_rows_).T
 display(pack_table)
 if pack_cmp:
-    display(pd.DataFrame({k: c.row() for k, c in pack_cmp.items()}).T.rename_axis("against the padded batches"))
+    display(timing.comparisons_table(pack_cmp).rename_axis("against the padded batches"))
 
 # %%
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 3.2), gridspec_kw={"width_ratios": [1.2, 1]})
@@ -934,7 +935,7 @@ def compile_runs(name, modes, budget_s):
             measure.reset_peak(dev)
             c = compare(eager_step, compiled_step, ("eager", label),
                         setup_a=lambda: set_layers(model, eager_layers),
-                        setup_b=lambda: set_layers(model, compiled_layers))
+                        setup_b=lambda layers=compiled_layers: set_layers(model, layers))
         except Exception as err:  # a compile that fails is a result too
             info[label] = {"note": f"failed: {type(err).__name__}: {str(err).splitlines()[0][:120]}"}
             continue
@@ -1342,13 +1343,15 @@ if profiles.cuda_or_skip("the kernel names under compilation and capture need a 
                   .rename_axis(["call", "mask"]))
     display(mask_probe)
     if mask_strides is not None:
-        display(mask_strides)
+        with pd.option_context("display.max_colwidth", None):  # shape, strides and dtype whole, not cut at 50 characters
+            display(mask_strides)
 
 # %% [markdown]
-# *Reading the second table.* pandas cuts a cell after 50 characters, so the rows that end in "…" lose their last
-# stride and their dtype. Their visible strides, 262144 = 512 × 512 and then 512, are those of a mask laid out in
-# memory; the `attention_mask=None` row, short enough to be printed whole, ends in a stride of 0: an expanded view
-# of a single all-True row, which is what the fused kernels refuse.
+# *Reading the second table.* A [b, 1, s, s] mask laid out in memory has the strides (s·s, s·s, s, 1), here
+# 262144 = 512 × 512, then 512 and 1. A stride of 0 means an expanded view: one row repeated without being stored,
+# which the fused kernels refuse (they need the last dimension contiguous). Where no fused kernel runs, SDPA's math
+# path does, and it computes 16-bit inputs in fp32 (section 9.1): that fp32 matrix product is also why Inductor may
+# warn above that TF32 is not enabled.
 
 # %% tags=["remove-input"]
 if mask_probe is not None:
@@ -1391,117 +1394,134 @@ if mask_probe is not None:
                         f"SDPA: the second table shows the mask the attention layer receives. Where a mask is given "
                         f"while capturing although none was passed, transformers has built an all-True one instead of "
                         f"dropping it; a stride of 0 in its last dimension means an expanded view, not a tensor in "
-                        f"memory, and the fused kernels need that dimension contiguous. Later transformers releases "
-                        f"return no mask in this case, and there passing an all-ones mask only adds one. So with your "
-                        f"version, read the kernel names, as here, before choosing; the CUDA-graph step below tests "
-                        f"the explicit mask on a full training step.")
+                        f"memory, and the fused kernels need that dimension contiguous. Other transformers versions "
+                        f"may return no mask in this case, and there passing an all-ones mask would only add one. So "
+                        f"with your version, read the kernel names, as here, before choosing; the CUDA-graph step below "
+                        f"tests the explicit mask on a full training step.")
         else:
             text.append("In BERT, both `attention_mask=None` and an explicit all-ones mask lose the fused kernel "
                         "under compilation or capture, so the mask is not the whole cause there.")
-    display(Markdown(" ".join(text)))
+    prose.say(" ".join(text))
 
 # %% [markdown]
-# Now the whole bert-large step at batch 4: eager, then replayed from a CUDA graph. The batch has no padding
-# and, like the other batches built by `make_batch` (sections 9.3, 9.4 and 9.6), no `attention_mask`. Two more captures test the probes: the same
-# graph with the batch's all-ones `attention_mask` passed explicitly, and the graph without a mask but with
-# the attention dropout set to 0 (`attention_probs_dropout_prob`; the other dropouts stay).
+# Now the whole bert-large step at batch 4: eager, against the same step replayed from a CUDA graph. Here the host
+# *is* the lesson: the graph removes the CPU's launches, so its gain depends on how fast this machine's CPU launches
+# kernels (the text below gives the µs per launch). The batch has no padding and, like the other batches of
+# sections 9.3 to 9.6, no `attention_mask`. Two more captures test the probes: the same graph with the batch's
+# all-ones `attention_mask` passed explicitly (also timed against eager), and the graph without a mask but with the
+# attention dropout set to 0 while capturing (`attention_probs_dropout_prob`; the other dropouts stay), read for
+# its kernel names only. Each captured graph is compared with the eager step in alternating rounds; both update
+# the same weights, the eager step with its own AdamW and the graph with a capturable one.
 
 # %%
 def graph_runs(batch_size):
     model, optimizer = build("bert-large-uncased")
     batch = make_batch("bert-large-uncased", batch_size)
-    out = {"eager": timing.time_it(make_step(model, optimizer, batch), device=dev)}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, capturable=True)
+    eager_step = steps.make_step(model, optimizer, batch, amp=STEP_AMP)
+    graph_opt = torch.optim.AdamW(model.parameters(), lr=1e-5, capturable=True)
     inputs = batch
+    attn_dropouts = [m.dropout for m in model.modules() if type(m).__name__ == "BertSelfAttention"]
 
     def step_for_graph():
         with torch.autocast("cuda", dtype=AMP, cache_enabled=False):
             loss = model(**inputs).loss
         loss.backward()
-        optimizer.step()
+        graph_opt.step()
 
     masked = {**batch, "attention_mask": torch.ones_like(batch["input_ids"])}
-    for label, p_attn, feed in (("CUDA graph", None, batch), ("CUDA graph, all-ones attention_mask", None, masked),
-                                ("CUDA graph, attention dropout 0", 0.0, batch)):
+    out = {}
+    for label, p_attn, feed, timed in (("CUDA graph", None, batch, True),
+                                       ("CUDA graph, all-ones attention_mask", None, masked, True),
+                                       ("CUDA graph, attention dropout 0", 0.0, batch, False)):
         inputs = feed  # what step_for_graph reads (and the graph records)
-        if p_attn is not None:
-            for m in model.modules():
-                if type(m).__name__ == "BertSelfAttention":
-                    m.dropout.p = p_attn
+        p_before = [d.p for d in attn_dropouts]
+        if p_attn is not None:  # read as a number while capturing: the graph keeps it, the eager step does not
+            for d in attn_dropouts:
+                d.p = p_attn
         try:  # the graph allocates the gradients itself: drop the warm-up's before capturing
-            graph = captured(step_for_graph, before_capture=lambda: optimizer.zero_grad(set_to_none=True))
-            out[label] = timing.time_it(graph.replay, device=dev)
-            del graph
+            graph = captured(step_for_graph, before_capture=lambda: graph_opt.zero_grad(set_to_none=True))
         except RuntimeError as err:
             out[label] = f"capture failed: {str(err).splitlines()[0][:100]}"
+            continue
+        finally:
+            for d, p_ in zip(attn_dropouts, p_before):
+                d.p = p_
+        if timed:
+            out[label] = compare(eager_step, graph.replay, ("eager", label))
+        else:
+            out[label] = attention_kernels(profiler.profile(graph.replay, device=dev))
+        del graph
     return out
 
 
 graph_result = None
 if profiles.cuda_or_skip("CUDA graphs need a GPU"):
-    graph_result = graph_runs(4)
-    g_timed = {k: v for k, v in graph_result.items() if isinstance(v, timing.Timed)}
-    graph_table = pd.DataFrame({k: t.summary() for k, t in g_timed.items()}).T
-    graph_table["attention kernel"] = pd.Series({k: attention_kernels(t.profile) for k, t in g_timed.items()})
-    graph_table["vs eager"] = pd.Series({k: f"{v['speed-up']:.2f}x, {v['difference']}"
-                                         for k, v in timing.compare(g_timed, "eager").items()})
-    for k in g_timed:
-        if k != "eager":
-            note_finding(k, "bert-large-uncased (batch 4)", g_timed, "eager", k)
-    display(graph_table[["wall median (ms)", "wall IQR (ms)", "GPU busy", "host enqueue median (ms)",
-                         "GPU ops per call", "attention kernel", "vs eager"]])
+    with charged():
+        graph_result = graph_runs(4)
+    g_cmp = {k: v for k, v in graph_result.items() if isinstance(v, timing.Comparison)}
+    for k, c in g_cmp.items():
+        note_finding(k, "bert-large-uncased (batch 4)", c)
+    graph_table = timing.comparisons_table(g_cmp).rename_axis("against the eager step")
+    graph_table["host µs per launch, eager"] = [timing.us_per_launch(c.a) for c in g_cmp.values()]
+    graph_table["attention kernel, eager"] = [attention_kernels(c.a.profile) for c in g_cmp.values()]
+    graph_table["attention kernel, graph"] = [attention_kernels(c.b.profile) for c in g_cmp.values()]
+    with pd.option_context("display.max_columns", None):
+        display(graph_table)
     for k, v in graph_result.items():
         if isinstance(v, str):
             print(f"{k}: {v}")
 
+
 # %% tags=["remove-input"]
-if graph_result and "CUDA graph" in g_timed:
-    e, g = g_timed["eager"], g_timed["CUDA graph"]
-    c = timing.compare({"eager": e, "graph": g}, "eager")["graph"]
-    text = (f"Replayed from a graph, the step takes {g.wall.median * 1e3:.1f} ms (IQR {g.wall.iqr * 1e3:.2f}) against "
-            f"{e.wall.median * 1e3:.1f} ms (IQR {e.wall.iqr * 1e3:.1f}) eager: {c['speed-up']:.2f} times the speed "
-            f"({c['difference']}); the GPU is busy {g.gpu_busy:.0%} of the time instead of {e.gpu_busy:.0%}. ")
-    att_e, att_g = graph_table.loc["eager", "attention kernel"], graph_table.loc["CUDA graph", "attention kernel"]
-    text += f"Eager, attention runs in the **{att_e}** kernel; inside the graph, **{att_g}**. "
-    if sdpa_probe is not None:
-        probe = sdpa_probe["attention kernel seen"]
+def graph_text(result, probe):
+    """The CUDA-graph sentences: the gain and its host dependence, the kernels, and what the probes showed."""
+    c = result["CUDA graph"]
+    att_e, att_g = attention_kernels(c.a.profile), attention_kernels(c.b.profile)
+    text = [f"Replayed from a graph, the step is {c.phrase(what='than eager')} ({prose.ms(c.b.wall.median)} against "
+            f"{prose.ms(c.a.wall.median)}); the GPU is busy {prose.pct(c.b.gpu_busy)} of the time instead of "
+            f"{prose.pct(c.a.gpu_busy)}, and its kernel time changed {c.kernel_ratio:.2f}-fold. The eager step's host "
+            f"spends {timing.us_per_launch(c.a):.0f} µs per GPU operation ({c.a.kernels_per_call:,} of them): that is "
+            f"what the graph saves, so a faster CPU gains less and a slower one more. Eager, attention runs in the "
+            f"**{att_e}** kernel; inside the graph, **{att_g}**."]
+    if probe is not None:
         drop_changes = probe[(0.1, "CUDA graph")] != probe[(0.1, "eager")]
         nodrop_same = probe[(0.0, "CUDA graph")] == probe[(0.0, "eager")]
         if drop_changes and nodrop_same:
-            text += ("The bare SDPA call shows why: without dropout, the captured call uses the same kernel as the "
-                     "eager one; with dropout, capture changes the kernel. In this PyTorch, the fused kernels' "
-                     "dropout is not used under graph capture here, and SDPA falls back. ")
+            text.append("The bare SDPA call shows why: without dropout, the captured call uses the same kernel as the "
+                        "eager one; with dropout, capture changes the kernel. In this PyTorch, the fused kernels' "
+                        "dropout is not used under graph capture here, and SDPA falls back.")
         elif not drop_changes and nodrop_same:
-            text += "The bare SDPA call uses the same kernel eager and captured, with and without dropout. "
-    if "CUDA graph, attention dropout 0" in g_timed:
-        g0 = g_timed["CUDA graph, attention dropout 0"]
-        att_0 = graph_table.loc["CUDA graph, attention dropout 0", "attention kernel"]
-        c0 = timing.compare({"graph": g, "graph0": g0}, "graph")["graph0"]
-        text += (f"With the attention dropout at 0 the captured step uses **{att_0}** and takes "
-                 f"{g0.wall.median * 1e3:.1f} ms ({c0['speed-up']:.2f} times the graph with dropout, {c0['difference']}). ")
-        fused_g, fused_0 = not att_g.startswith("none"), not att_0.startswith("none")
-        if not fused_g and not fused_0:
-            text += "Setting the attention dropout to 0 did not bring a fused kernel back, so dropout is not the cause. "
-        elif not fused_g and fused_0:
-            text += "Setting the attention dropout to 0 brought a fused kernel back: here dropout was the cause. "
-    mask_label = "CUDA graph, all-ones attention_mask"
-    if mask_label in g_timed:
-        gm = g_timed[mask_label]
-        att_m = graph_table.loc[mask_label, "attention kernel"]
-        cm = timing.compare({"graph": g, "masked": gm}, "graph")["masked"]
-        text += (f"With the batch's all-ones `attention_mask` passed explicitly, the captured step uses **{att_m}** "
-                 f"and takes {gm.wall.median * 1e3:.1f} ms (IQR {gm.wall.iqr * 1e3:.2f}; {cm['speed-up']:.2f} times the "
-                 f"graph without a mask, {cm['difference']}). ")
+            text.append("The bare SDPA call uses the same kernel eager and captured, with and without dropout.")
+    att_0 = result.get("CUDA graph, attention dropout 0")
+    if isinstance(att_0, str) and not att_0.startswith("capture failed"):
+        text.append(f"With the attention dropout at 0 while capturing, the graph uses **{att_0}**.")
+        if att_g.startswith("none"):
+            text.append("Setting the attention dropout to 0 did not bring a fused kernel back, so dropout is not the "
+                        "cause." if att_0.startswith("none") else
+                        "Setting the attention dropout to 0 brought a fused kernel back: here dropout was the cause.")
+    cm = result.get("CUDA graph, all-ones attention_mask")
+    if isinstance(cm, timing.Comparison):
+        att_m = attention_kernels(cm.b.profile)
+        text.append(f"With the batch's all-ones `attention_mask` passed explicitly, the captured step uses **{att_m}** "
+                    f"and is {cm.phrase(what='than eager')}.")
         if att_g.startswith("none") and not att_m.startswith("none"):
-            text += (f"The explicit mask brought the fused kernel back, as the mask probe predicted for transformers "
-                     f"{transformers.__version__} (newer releases drop a missing mask under capture themselves). ")
+            text.append(f"The explicit mask brought the fused kernel back, as the mask probe predicted for "
+                        f"transformers {transformers.__version__}, and its kernel time is {cm.kernel_ratio:.2f}× eager's "
+                        f"less, against {c.kernel_ratio:.2f}× for the graph without a mask.")
         elif att_g.startswith("none"):
-            text += "The explicit mask did not bring a fused kernel back in the full training step either. "
-    if att_g.startswith("none") and not att_e.startswith("none"):
-        text += ("The graph's speed-up without a mask therefore comes from removing launch overhead (the GPU-busy "
-                 "fraction) with attention on the math path, which also stores the s x s matrix. ")
-    text += "Whatever the cause on your setup, check the kernel names after capturing, as here."
-    display(Markdown(text))
+            text.append("The explicit mask did not bring a fused kernel back in the full training step either.")
+    if att_g.startswith("none") and not att_e.startswith("none") and c.verdict == "faster":
+        text.append("The graph without a mask therefore gains by removing launch overhead (the GPU-busy fraction) "
+                    "while attention runs on the math path, in fp32 (section 9.1), which also stores the s x s matrix.")
+    elif att_g.startswith("none") and c.verdict != "faster":
+        text.append("Without a mask the graph removed the launches but moved attention to the math path, in fp32 "
+                    "(section 9.1): on this GPU and CPU the extra GPU work ate the saving.")
+    text.append("Whatever the cause on your setup, check the kernel names after capturing, as here.")
+    return " ".join(text)
+
+
+if graph_result and "CUDA graph" in g_cmp:
+    prose.say(graph_text(graph_result, sdpa_probe["attention kernel seen"] if sdpa_probe is not None else None))
 elif graph_result:
     print("the capture failed on this setup; see the message above")
 
@@ -1528,7 +1548,8 @@ cleanup.collect()
 # many as section 9.3's bert-large step of 16 x 512), and the text length (`words`) is calibrated on this CPU so that
 # tokenising one batch takes about `LOAD_TARGET_MS` milliseconds, of the order of the step itself (the first row
 # of the table below says how busy the step keeps the GPU on your machine: on a host shared with other work it can
-# be host-bound itself, and then the loader's workers and the step compete for the same CPU cores):
+# be host-bound itself, and then the loader's workers and the step compete for the same CPU cores). Here the host
+# *is* the lesson, so the comparisons below depend on this machine's CPU, and the text says how:
 
 # %%
 LOAD_BATCH = prof.pick(tiny=8, full=64)
@@ -1537,336 +1558,399 @@ words0 = prof.pick(tiny=50, full=300)
 probe_ds = data.TokenizingDataset(1, seq_len=128, words=words0)  # built once: the lexicon is not the per-sample cost
 t_probe = timing.time_it(lambda: probe_ds[0], device="cpu", warmup=2, repeat=10)
 words = max(10, round(words0 * LOAD_TARGET_MS / 1e3 / (LOAD_BATCH * t_probe.wall.median)))
-tok_ds = data.TokenizingDataset(LOAD_BATCH * 24, seq_len=128, words=words)
+tok_ds = data.TokenizingDataset(LOAD_BATCH * 26, seq_len=128, words=words)  # 26 batches: enough for one comparison
 t_sample = timing.time_it(lambda: tok_ds[0], device="cpu", warmup=2, repeat=10)
 print(f"{words} words per sample; one sample: {t_sample.wall.median * 1e3:.2f} ms (IQR {t_sample.wall.iqr * 1e3:.2f}) "
       f"of CPU time; a batch of {LOAD_BATCH}: about {LOAD_BATCH * t_sample.wall.median * 1e3:.0f} ms")
 
 # %% [markdown]
-# Each timed call fetches the next batch from the loader, copies it to the GPU and runs the step (`time_it`,
-# 10 repeats, GPU-busy from the profiler). The first row is the reference no loader setting can beat: the same
-# step fed from batches already on the GPU. The last column is the wait for the first batch of the next epoch,
-# measured once per setting after the timed epoch has been run to its end: fresh workers pay their start-up
-# there at every epoch, persistent ones only at the first. Within an epoch `persistent_workers` changes
-# nothing, so its row is a second measurement of the pinned row: a check on how far two rows can differ by
-# chance. Copying one batch to the GPU is also timed on its own, from pageable and from pinned memory.
+# Each timed call fetches the next batch from the loader, copies it to the GPU and runs the step. Four
+# comparisons, each interleaved, answer four questions. Is there a stall? The baseline that no loader setting can
+# beat is the same step fed from batches already on the GPU, against `num_workers=0`. Do workers remove it?
+# `num_workers=0` against `WORKERS` workers (four, or as many as this machine has cores). Do they reach the floor?
+# The batches on the GPU against the workers with pinned memory. Does pinning help? The workers without against
+# with `pin_memory=True` and `non_blocking` copies; copying one batch to the GPU is also timed on its own, from
+# pageable and from pinned memory. `persistent_workers` changes nothing within an epoch; it acts between epochs,
+# so it is measured there: the wait for the next epoch's first batch, once with fresh workers and once with
+# persistent ones.
 
 # %%
-LOADERS = {
-    "num_workers=0": dict(num_workers=0),
-    "num_workers=2": dict(num_workers=2),
-    "num_workers=4": dict(num_workers=4),
-    "num_workers=4, pin_memory, non_blocking": dict(num_workers=4, pin_memory=True),
-    "… and persistent_workers": dict(num_workers=4, pin_memory=True, persistent_workers=True),
-}
+WORKERS = min(4, os.cpu_count() or 1)  # no more workers than cores (DataLoader warns beyond that)
+W0, WN = "num_workers=0", f"num_workers={WORKERS}"
+WN_PIN = f"{WN}, pin_memory, non_blocking"
+STAGED = "batches already on the GPU (no loader)"
+LOADERS = {W0: dict(num_workers=0), WN: dict(num_workers=WORKERS),
+           WN_PIN: dict(num_workers=WORKERS, pin_memory=True)}
 
 
-def staged_run(model, optimizer, n_batches=16):
+def staged_side(model, optimizer, n_batches=16):
     """The reference: the same step on batches already on the GPU (no loader in the timed call)."""
-    loader = torch.utils.data.DataLoader(tok_ds, batch_size=LOAD_BATCH, num_workers=4)
+    loader = torch.utils.data.DataLoader(tok_ds, batch_size=LOAD_BATCH, num_workers=WORKERS)
     staged = [{k: v.to(dev) for k, v in b.items()} for _, b in zip(range(n_batches), loader)]
-    it = iter(staged * 4)
+    slot = {}
+    step = steps.make_step(model, optimizer, slot, amp=STEP_AMP)
+    state = {"i": 0}
 
     def step_staged():
-        make_step(model, optimizer, next(it))()
+        slot.update(staged[state["i"] % n_batches])
+        state["i"] += 1
+        step()
 
-    return timing.time_it(step_staged, device=dev, warmup=3, repeat=10)
+    return step_staged
 
 
-def loader_run(model, optimizer, kwargs):
+def loader_side(model, optimizer, kwargs):
+    """Fetch the next batch from a fresh loader of ``tok_ds``, copy it to the GPU, run the step."""
     loader = torch.utils.data.DataLoader(tok_ds, batch_size=LOAD_BATCH, **kwargs)
     pinned = kwargs.get("pin_memory", False)
     it = iter(loader)
+    slot = {}
+    step = steps.make_step(model, optimizer, slot, amp=STEP_AMP)
 
     def fetch_and_step():
-        batch = {k: v.to(dev, non_blocking=pinned) for k, v in next(it).items()}
-        make_step(model, optimizer, batch)()
+        slot.update({k: v.to(dev, non_blocking=pinned) for k, v in next(it).items()})
+        step()
 
-    t = timing.time_it(fetch_and_step, device=dev, warmup=3, repeat=10)
-    for _ in it:  # finish the epoch untimed, as a training loop does, so that no batch is still in flight
+    return fetch_and_step
+
+
+def next_epoch_wait(kwargs):
+    """Seconds until the first batch of a second epoch (the first epoch is run to its end, untimed)."""
+    loader = torch.utils.data.DataLoader(tok_ds, batch_size=LOAD_BATCH, **kwargs)
+    for _ in loader:
         pass
-    it = None  # this epoch's iterator (and its workers, unless persistent) ends here
     t0 = time.perf_counter()
-    next(iter(loader))  # a new epoch: how long until its first batch?
-    return t, time.perf_counter() - t0
+    next(iter(loader))
+    return time.perf_counter() - t0
 
 
-STAGED = "batches already on the GPU (no loader)"
-load_timed, first_batch_s = {}, {}
+def side(label, model, optimizer):
+    return staged_side(model, optimizer) if label == STAGED else loader_side(model, optimizer, LOADERS[label])
+
+
+load_cmp, first_batch_s, copy_cmp = {}, {}, None
 if profiles.cuda_or_skip("an input stall means a GPU waiting; on a CPU the workers compete with the model"):
     model, optimizer = build("bert-large-uncased")
-    load_timed[STAGED] = staged_run(model, optimizer)
-    for label, kwargs in LOADERS.items():
-        load_timed[label], first_batch_s[label] = loader_run(model, optimizer, kwargs)
+    with charged():
+        for base, cand in ((STAGED, W0), (W0, WN), (STAGED, WN_PIN), (WN, WN_PIN)):
+            load_cmp[(base, cand)] = compare(side(base, model, optimizer), side(cand, model, optimizer), (base, cand))
+        first_batch_s = {"fresh workers": next_epoch_wait(LOADERS[WN_PIN]),
+                         "persistent workers": next_epoch_wait({**LOADERS[WN_PIN], "persistent_workers": True})}
     cleanup.free(globals(), "model", "optimizer")
     sample = next(iter(torch.utils.data.DataLoader(tok_ds, batch_size=LOAD_BATCH)))  # what pinning could speed up
     sample_pinned = {k: v.pin_memory() for k, v in sample.items()}
-    copy_timed = {
-        "pageable, blocking": timing.time_it(lambda: [v.to(dev) for v in sample.values()], device=dev,
-                                             warmup=3, repeat=20, busy=False),
-        "pinned, non_blocking": timing.time_it(lambda: [v.to(dev, non_blocking=True) for v in sample_pinned.values()],
-                                               device=dev, warmup=3, repeat=20, busy=False),
-    }
-    copy_ms = {k: t.wall.median * 1e3 for k, t in copy_timed.items()}
-    print(f"copying one batch ({', '.join(sample)}) to the GPU, median of 20: "
-          + "; ".join(f"{k} {v:.3f} ms (IQR {copy_timed[k].wall.iqr * 1e3:.3f})" for k, v in copy_ms.items()))
+    copy_cmp = compare(lambda: [v.to(dev) for v in sample.values()],
+                       lambda: [v.to(dev, non_blocking=True) for v in sample_pinned.values()],
+                       ("pageable, blocking", "pinned, non_blocking"), busy=False)
+    print(f"copying one batch ({', '.join(sample)}) to the GPU, medians of {copy_cmp.rounds} interleaved rounds: "
+          f"from pageable memory {copy_cmp.a.wall.median * 1e3:.3f} ms, from pinned memory "
+          f"{copy_cmp.b.wall.median * 1e3:.3f} ms (each until the copy has finished)")
     del sample, sample_pinned
-    load_table = pd.DataFrame({k: t.summary() for k, t in load_timed.items()}).T
-    load_table["vs num_workers=0"] = pd.Series({k: f"{v['speed-up']:.2f}x, {v['difference']}" for k, v in
-                                                timing.compare(load_timed, "num_workers=0").items()})
-    load_table["vs batches on the GPU"] = pd.Series({k: f"{v['speed-up']:.2f}x, {v['difference']}" for k, v in
-                                                     timing.compare(load_timed, STAGED).items()})
-    load_table["next epoch's first batch (ms, one wait)"] = pd.Series(first_batch_s) * 1e3
-    for k in list(LOADERS)[1:4]:
-        note_finding(k, f"bert-large-uncased (batch {LOAD_BATCH} x 128)", load_timed, "num_workers=0", k)
-    note_finding("persistent_workers (within an epoch)", f"bert-large-uncased (batch {LOAD_BATCH} x 128)", load_timed,
-                 "num_workers=4, pin_memory, non_blocking", "… and persistent_workers")
-    display(load_table[["wall median (ms)", "wall IQR (ms)", "GPU busy", "host enqueue median (ms)",
-                        "vs num_workers=0", "vs batches on the GPU", "next epoch's first batch (ms, one wait)"]])
+    for (base, cand), c in load_cmp.items():
+        note_finding(f"data loading: {cand}" if base != STAGED else f"data loading: {cand}, against batches on the GPU",
+                     f"bert-large-uncased (batch {LOAD_BATCH} x 128)", c)
+    load_table = timing.comparisons_table({f"{cand} against {base}": c for (base, cand), c in load_cmp.items()})
+    with pd.option_context("display.max_columns", None):
+        display(load_table)
+    print("next epoch's first batch (one wait each): "
+          + "; ".join(f"{k} {v * 1e3:.0f} ms" for k, v in first_batch_s.items()))
 
 # %%
-if load_timed:
+if load_cmp:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 3.6))
-    y = np.arange(len(load_table))
-    walls = [load_timed[k].wall for k in load_table.index]
-    ax1.barh(y, [w.median * 1e3 for w in walls],
-             xerr=np.array([[w.median - w.q1 for w in walls], [w.q3 - w.median for w in walls]]) * 1e3, color="C0")
-    ax1.set_yticks(y, load_table.index)
-    ax1.invert_yaxis()
-    ax1.set_xlabel("fetch + training step (ms, median of 10; whiskers from Q1 to Q3)")
-    ax1.set_title("step time with the input pipeline")
-    ax2.barh(y, load_table["GPU busy"].astype(float) * 100, color="C2")
-    ax2.set_yticks(y, [""] * len(y))
+    plot_speedups(ax1, {f"{cand}\nvs {base.split(' (')[0]}": c for (base, cand), c in load_cmp.items()},
+                  "each pair interleaved")
+    busy = {STAGED.split(" (")[0]: load_cmp[(STAGED, W0)].a.gpu_busy, W0: load_cmp[(STAGED, W0)].b.gpu_busy,
+            WN: load_cmp[(W0, WN)].b.gpu_busy, WN_PIN: load_cmp[(WN, WN_PIN)].b.gpu_busy}
+    y = np.arange(len(busy))
+    ax2.barh(y, [v * 100 for v in busy.values()], color="C2")
+    ax2.set_yticks(y, list(busy))
     ax2.invert_yaxis()
     ax2.set_xlim(0, 105)
     ax2.set_xlabel("GPU busy (% of the step)")
     ax2.set_title("GPU busy, by loader setting")
-    fig.suptitle(f"bert-large, batch {LOAD_BATCH} x 128, tokenised on the fly (first row: no loader)")
+    fig.suptitle(f"bert-large, batch {LOAD_BATCH} x 128, tokenised on the fly")
     fig.tight_layout()
 
-# %% tags=["remove-input"]
-if load_timed:
-    ref, t0_, t4_ = load_timed[STAGED], load_timed["num_workers=0"], load_timed["num_workers=4"]
-    vs_ref = timing.compare(load_timed, STAGED)
-    c4 = timing.compare(load_timed, "num_workers=0")
-    c_w4 = timing.compare(load_timed, "num_workers=4")
-    pin_label = "num_workers=4, pin_memory, non_blocking"
-    text = [f"Fed from batches already on the GPU, the step takes {ref.wall.median * 1e3:.0f} ms (IQR "
-            f"{ref.wall.iqr * 1e3:.1f}) and the GPU is busy {ref.gpu_busy:.0%} of it ({ref.verdict}). With the loader in "
-            f"the training process (`num_workers=0`) it takes {t0_.wall.median * 1e3:.0f} ms, GPU busy {t0_.gpu_busy:.0%}: "
-            f"{vs_ref['num_workers=0']['difference']} against the reference."]
-    if vs_ref["num_workers=0"]["difference"] == "slower":
-        text.append(f"The difference, {(t0_.wall.median - ref.wall.median) * 1e3:.0f} ms, is the stall: about "
-                    f"{LOAD_BATCH * t_sample.wall.median * 1e3:.0f} ms of tokenising sit on the critical path.")
-    else:
-        text.append("So the loader does not stall this step measurably, and the worker rows below cannot improve on it.")
-    text.append(f"With four workers the step takes {t4_.wall.median * 1e3:.0f} ms ({c4['num_workers=4']['speed-up']:.2f} "
-                f"times `num_workers=0`, {c4['num_workers=4']['difference']}; against the reference "
-                f"{vs_ref['num_workers=4']['difference']}), GPU busy {t4_.gpu_busy:.0%}.")
-    pin_diff = c_w4[pin_label]["difference"]
-    saved_ms = copy_ms["pageable, blocking"] - copy_ms["pinned, non_blocking"]
-    row_ms = (t4_.wall.median - load_timed[pin_label].wall.median) * 1e3
-    text.append(f"Pinned memory with `non_blocking` copies, against the same four workers without: "
-                f"{c_w4[pin_label]['speed-up']:.2f} times ({pin_diff}). Copying one batch to the GPU takes "
-                f"{copy_ms['pageable, blocking']:.3f} ms from pageable memory and {copy_ms['pinned, non_blocking']:.3f} ms "
-                f"from pinned memory (printed above, each until the copy has finished), so pinning can save at most about {saved_ms:.2f} ms a step"
-                + (": nothing measurable here, and the rows agree." if pin_diff == "within the noise" else
-                   f"; the rows differ by {row_ms:+.1f} ms, so the copy does not explain that difference, and nothing "
-                   f"in this run isolates what does."))
-    persistent = "… and persistent_workers"
-    aa = timing.compare({"pinned": load_timed[pin_label], "persistent": load_timed[persistent]}, "pinned")["persistent"]
-    text.append("`persistent_workers` changes nothing within an epoch, which is all the timed steps see, so its row "
-                "repeats the pinned row: "
-                + ("the two agree within the noise, as they must." if aa["difference"] == "within the noise" else
-                   f"yet it measured {aa['speed-up']:.2f} times the pinned row ({aa['difference']}). Differences "
-                   f"between rows of this table of that size are the host's variation from one timed run to the next, "
-                   f"which the IQR within one run does not capture."))
-    beat_ref = [k for k, v in vs_ref.items() if k != STAGED and v["difference"] == "faster"]
-    if beat_ref:
-        text.append(f"No loader can make the step faster than batches already on the GPU, yet {', '.join(beat_ref)} "
-                    f"measured faster than that reference: the host's variation between timed runs is larger than the "
-                    f"IQR within one, so read differences of this size as noise.")
-    fresh, kept = first_batch_s[pin_label], first_batch_s[persistent]
-    text.append(f"After an epoch has ended, the next one waits {fresh * 1e3:.0f} ms for its first batch with four fresh "
-                f"workers and {kept * 1e3:.0f} ms with persistent ones (one wait each; tokenising one batch takes about "
-                f"{LOAD_BATCH * t_sample.wall.median * 1e3:.0f} ms of it): persistent workers save the workers' start-up "
-                f"once per epoch, and nothing within one. **Rule of thumb**: time the step on batches already on the GPU; if the loader's "
-                f"step is slower, the pipeline is the bottleneck: add workers until the step time stops falling, and no "
-                f"more than the CPU cores free of other work.")
-    display(Markdown(" ".join(text)))
 
-# %% [markdown]
-# *On the rows above.* The loader's workers share the host's CPU cores with everything else that runs on it.
-# The committed outputs come from a machine whose other GPUs ran other chapters at the same time (the
-# [status page](../book/status.md) says how each chapter was run), so the host's speed could change between
-# two rows. The persistent-workers row is the control: within an epoch it is the pinned row again, and any
-# difference between the two is that variation. In the committed run the stall (217 ms) is larger than the
-# tokenising it contains (about 141 ms), and the `num_workers=0` row's IQR is 133.17 ms: collating and the host's
-# variation add to the stall, and its size is known only roughly. The verdict (slower than the reference, and four
-# workers removing it) does not depend on that.
+# %% tags=["remove-input"]
+def loader_text(cmp, copy_cmp, waits, tokenise_s, workers):
+    """The data-loading sentences, from the four interleaved comparisons, the copy timing and the two waits."""
+    stall, more, floor, pin = (cmp[(STAGED, W0)], cmp[(W0, WN)], cmp[(STAGED, WN_PIN)], cmp[(WN, WN_PIN)])
+    text = [f"Fed from batches already on the GPU, the step takes {prose.ms(stall.a.wall.median)} and the GPU is busy "
+            f"{prose.pct(stall.a.gpu_busy)} of it ({stall.a.verdict}). With the loader in the training process "
+            f"(`num_workers=0`) the reference is {stall.phrase(what='than the loader')}, and the GPU is busy "
+            f"{prose.pct(stall.b.gpu_busy)}."]
+    if stall.verdict == "slower":
+        text.append(f"The difference of the medians, {prose.ms(stall.b.wall.median - stall.a.wall.median)}, is the "
+                    f"stall, of which about {prose.ms(tokenise_s)} is tokenising; the rest is collation, the copy and "
+                    f"the host's variation.")
+    else:
+        text.append("So the loader does not stall this step beyond the noise, and the worker rows cannot improve on it.")
+    text.append(f"With {workers} worker(s) against none, the step is {more.phrase(what='than `num_workers=0`')}, GPU busy "
+                f"{prose.pct(more.b.gpu_busy)}. Against the batches already on the GPU, {workers} worker(s) with pinned "
+                f"memory are {floor.phrase(what='than the batches on the GPU')}"
+                + (": the workers hide the loading completely." if floor.verdict == timing.NO_DIFFERENCE else
+                   ": the workers do not hide all of the loading here; they share this machine's "
+                   f"{os.cpu_count()} CPU cores with the training process, which launches the step's kernels."
+                   if floor.verdict == "slower" else
+                   ": faster than a step with no loading at all cannot be a loader's doing; read it as the host's "
+                   "variation."))
+    saved_ms = (copy_cmp.a.wall.median - copy_cmp.b.wall.median) * 1e3
+    text.append(f"Pinned memory with `non_blocking` copies, against the same workers without: {pin.phrase()}. Copying "
+                f"one batch takes {copy_cmp.a.wall.median * 1e3:.3f} ms from pageable and "
+                f"{copy_cmp.b.wall.median * 1e3:.3f} ms from pinned memory (printed above), so pinning can save at most "
+                f"about {max(saved_ms, 0):.2f} ms a step"
+                + (": too little to see in a step of this size." if pin.verdict == timing.NO_DIFFERENCE else
+                   "; the step's difference is larger than the copy, so the copy does not explain it, and nothing "
+                   "in this run isolates what does."))
+    text.append(f"After an epoch has ended, the next one waits {prose.ms(waits['fresh workers'])} for its first batch "
+                f"with fresh workers and {prose.ms(waits['persistent workers'])} with persistent ones (one wait each; "
+                f"tokenising one batch takes about {prose.ms(tokenise_s)} of it): persistent workers save the workers' "
+                f"start-up once per epoch, and nothing within one. **Rule of thumb**: time the step on batches already "
+                f"on the GPU; if the loader's step is slower, the pipeline is the bottleneck: add workers until the step "
+                f"stops getting faster, and no more than the CPU cores free of other work. How many that is depends on "
+                f"the CPU and on what each sample costs it.")
+    return " ".join(text)
+
+
+if load_cmp:
+    prose.say(loader_text(load_cmp, copy_cmp, first_batch_s, LOAD_BATCH * t_sample.wall.median, WORKERS))
 
 # %%
-cleanup.free(globals(), "tok_ds", "probe_ds")
+_ = cleanup.free(globals(), "tok_ds", "probe_ds")
 
 # %% [markdown]
 # ## 9.6 The free wins, measured
 #
 # The one-line changes that the guides recommend (the Hugging Face single-GPU guide, the "simple ways to
-# speed up PyTorch" post), each timed against its own baseline on the same model: bert-large, batch 8 of 512
-# tokens, bf16 autocast.
+# speed up PyTorch" post), each timed interleaved against its own baseline on the same model, bert-large with
+# 512-token sequences in 16-bit autocast (bf16, or fp16 on a GPU without bf16). These are changes on the GPU's side,
+# so they are measured where the GPU, not the host, sets the pace: at batch 32 on a GPU with room for it (a step
+# that keeps an H100 busy at least nine tenths of the time), at batch 8 on a smaller one (which is slower, and so
+# busy at batch 8 already). Each row also gives the kernel-time speed-up, the change in the GPU's own work, which
+# does not depend on the host.
 #
 # - **AdamW implementation**: `foreach` (PyTorch's default on GPUs: one kernel per operation over lists of
-#   tensors), a plain loop over the parameters (`foreach=False`), and `fused=True` (a few fused kernels
-#   for the whole update; chapters 5 and 8);
-# - **`zero_grad(set_to_none=False)`**: writes zeros into the gradients instead of dropping them (the
-#   default, `set_to_none=True`, saves a memset per parameter and lets the backward pass allocate afresh);
+#   tensors) against `fused=True` (the whole update in one pass, a few multi-tensor launches; chapters 5 and 8)
+#   and against a plain loop over the parameters (`foreach=False`, several kernels per tensor);
+# - **`zero_grad(set_to_none=True)`**, the default: drops the gradients instead of writing zeros into them
+#   (`set_to_none=False`), which saves a memset per parameter and lets the backward pass allocate afresh; the
+#   baseline of this row is the old setting, the candidate the recommended one;
 # - **TF32**: `torch.backends.cuda.matmul.allow_tf32 = True` runs fp32 matrix products on the tensor cores
-#   with a 10-bit mantissa (compute capability 8.0 and newer). It changes nothing for products that autocast
-#   already runs in 16 bits, so it is measured on an fp32 step;
-# - **aligned shapes**: the masked-LM head of BERT maps hidden states to the 30,522-word vocabulary;
-#   padding the vocabulary to 30,528 (a multiple of 64) lets the tensor cores tile the product evenly
-#   (chapter 5). Timed as that product, forward and backward.
+#   with a 10-bit mantissa (compute capability 8.0 and newer; `torch.set_float32_matmul_precision("high")` says
+#   the same). It changes nothing for products that autocast already runs in 16 bits, so it is measured on an fp32
+#   step at batch 8; the two sides flip the switch before each sample, and it is restored afterwards;
+# - **aligned shapes**: the masked-LM head of BERT maps hidden states to the 30,522-word vocabulary. A bf16 row
+#   of 30,522 elements is 61,044 bytes, not a multiple of 16, so cuBLAS cannot use its aligned tensor-core paths
+#   for the product; any multiple of 8 elements fixes that, and multiples of 64 or 128 add a few percent through
+#   tile and wave quantisation at most. Padding the vocabulary to 30,528 (a multiple of 64) does both. Timed as
+#   that product, forward and backward.
 
 # %%
-def free_wins(batch_size=8):
-    timed, notes = {}, {}
-    model = build("bert-large-uncased")[0]
-    batch = make_batch("bert-large-uncased", batch_size)
-    for label, kw in (("AdamW foreach (default)", {"foreach": True}), ("AdamW for-loop", {"foreach": False}),
-                      ("AdamW fused", {"fused": True})):
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, **kw)
-        timed[label] = timing.time_it(make_step(model, optimizer, batch), device=dev, warmup=WARMUP,
-                                      repeat=COMPILE_REPEAT)  # 30 on a GPU: these rows differ by a few percent at most
-        del optimizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+WINS_BATCH = prof.pick(tiny=2, full=32 if BIG_GPU else 8)  # a GPU-bound step: 32 x 512 on a large GPU
+TF32_BATCH = prof.pick(tiny=2, full=8)
+WINS_MODEL = f"bert-large-uncased (batch {WINS_BATCH} x {SETUPS['bert-large-uncased']['seq_len']})"
 
-    def step_zero():
+
+def zero_grad_step(model, optimizer, batch, set_to_none):
+    """The book's step, written out, with the gradients dropped or zeroed at its end."""
+    def step():
         with torch.autocast(dev, dtype=AMP, enabled=prof.on_gpu):
             loss = model(**batch).loss
         loss.backward()
         optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
+        optimizer.zero_grad(set_to_none=set_to_none)
 
-    timed["zero_grad(set_to_none=False)"] = timing.time_it(step_zero, device=dev, warmup=WARMUP, repeat=COMPILE_REPEAT)
-    if cap is not None and cap.tf32:
-        def fp32_step():
-            model(**batch).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+    return step
 
+
+def free_wins():
+    """Each free win against its baseline, interleaved; an out-of-memory row is a note, not a crash."""
+    cmps, notes = {}, {}
+    model = build("bert-large-uncased")[0]
+    batch = make_batch("bert-large-uncased", WINS_BATCH)
+    base_opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    base_step = steps.make_step(model, base_opt, batch, amp=STEP_AMP)
+
+    def run(label, make_candidate, baseline=("AdamW foreach (default)", base_step), **kw):
+        def attempt(_):
+            fb, names = make_candidate(), (baseline[0], label)
+            return compare(baseline[1], fb, names, **kw)
+        a = batching.try_batch(attempt, WINS_BATCH)
+        if a.fits:
+            cmps[label] = a.value
+        else:
+            notes[label] = f"out of memory on this GPU ({a.error})"
+
+    for label, kw in (("AdamW fused", {"fused": True}), ("AdamW for-loop", {"foreach": False})):
+        run(label, lambda kw=kw: steps.make_step(model, torch.optim.AdamW(model.parameters(), lr=1e-5, **kw), batch,
+                                                 amp=STEP_AMP))
+    run("zero_grad(set_to_none=True) (default)", lambda: zero_grad_step(model, base_opt, batch, True),
+        baseline=("zero_grad(set_to_none=False)", zero_grad_step(model, base_opt, batch, False)))
+    if cap is None or cap.tf32:  # on a CPU the switch does nothing: the row only checks the code
         old = torch.backends.cuda.matmul.allow_tf32
-        for label, flag in (("fp32 step, TF32 off", False), ("fp32 step, TF32 on", True)):
-            torch.backends.cuda.matmul.allow_tf32 = flag
-            timed[label] = timing.time_it(fp32_step, device=dev)
-        torch.backends.cuda.matmul.allow_tf32 = old
+        fp32_step = steps.make_step(model, base_opt, make_batch("bert-large-uncased", TF32_BATCH))
+        try:
+            run("fp32 step, TF32 on", lambda: fp32_step, baseline=("fp32 step, TF32 off", fp32_step),
+                setup_a=lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", False),
+                setup_b=lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", True))
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = old
     else:
-        notes["TF32"] = "skipped: TF32 needs compute capability 8.0 or newer" if cap else "skipped on CPU: TF32 is a GPU feature"
-    return timed, notes
+        notes["TF32"] = "skipped: TF32 needs compute capability 8.0 or newer"
+    return cmps, notes
 
 
 VOCABS = prof.pick(tiny=(2042, 2048), full=(30522, 30528))  # the real vocabulary and the next multiple of 64
 
 
-def aligned_shapes(batch_size=8):
-    """The masked-LM head's product, forward and backward, with the real and a padded vocabulary."""
-    timed = {}
-    tokens = batch_size * SETUPS["bert-large-uncased"]["seq_len"]
+def aligned_shapes():
+    """The masked-LM head's product, forward and backward, with the real and a padded vocabulary, interleaved."""
+    tokens = WINS_BATCH * SETUPS["bert-large-uncased"]["seq_len"]
     dt = AMP if prof.on_gpu else torch.float32
     hidden = models.config("bert-large-uncased").hidden_size
     x = torch.randn(tokens, hidden, device=dev, dtype=dt, requires_grad=True)
-    for vocab in VOCABS:
-        w = torch.randn(vocab, hidden, device=dev, dtype=dt, requires_grad=True)
-        timed[f"vocabulary {vocab}"] = timing.time_it(lambda w=w: (x @ w.T).sum().backward(), device=dev, warmup=WARMUP, repeat=REPEAT)
-    return timed
+    w_real, w_pad = (torch.randn(v, hidden, device=dev, dtype=dt, requires_grad=True) for v in VOCABS)
+    return compare(lambda: (x @ w_real.T).sum().backward(), lambda: (x @ w_pad.T).sum().backward(),
+                   (f"vocabulary {VOCABS[0]:,}", f"vocabulary {VOCABS[1]:,}"))
 
 
-wins_timed, wins_notes = free_wins()
-wins_timed.update(aligned_shapes())
-pairs = [("AdamW foreach (default)", "AdamW for-loop"), ("AdamW foreach (default)", "AdamW fused"),
-         ("AdamW foreach (default)", "zero_grad(set_to_none=False)"), ("fp32 step, TF32 off", "fp32 step, TF32 on"),
-         (f"vocabulary {VOCABS[0]}", f"vocabulary {VOCABS[1]}")]
-win_rows = {}
-for base, var in pairs:
-    if base in wins_timed and var in wins_timed:
-        c = note_finding(var, "bert-large-uncased (batch 8 x 512)", wins_timed, base, var)
-        b, v = wins_timed[base], wins_timed[var]
-        win_rows[var] = {"baseline": base, "baseline median (ms)": b.wall.median * 1e3, "baseline IQR (ms)": b.wall.iqr * 1e3,
-                         "median (ms)": v.wall.median * 1e3, "IQR (ms)": v.wall.iqr * 1e3,
-                         "GPU busy": v.gpu_busy, "speed-up": c["speed-up"], "verdict": c["difference"]}
-wins_table = pd.DataFrame(win_rows).T.rename_axis("change")
+with charged():
+    wins_cmp, wins_notes = free_wins()
+    wins_cmp["aligned vocabulary"] = aligned_shapes()
+for label, c in wins_cmp.items():
+    note_finding(label, WINS_MODEL if not label.startswith("fp32") else WINS_MODEL.replace(
+        f"batch {WINS_BATCH}", f"batch {TF32_BATCH}"), c)
+wins_table = timing.comparisons_table(wins_cmp).rename_axis("change")
 for k, v in wins_notes.items():
     print(f"{k}: {v}")
-wins_table if prof.on_gpu else print(f"skipped on CPU: each variant ran {REPEAT} times to check the code; "
-                                     f"their speed-ups are GPU matters")
+if prof.on_gpu:
+    with pd.option_context("display.max_columns", None):
+        display(wins_table)
+else:
+    print(f"skipped on CPU: each comparison ran {ROUNDS} rounds to check the code; their speed-ups are GPU matters")
+
 
 # %% tags=["remove-input"]
-if prof.on_gpu and len(wins_table):
-    w = wins_table
-    parts = [f"{k}: {row['speed-up']:.2f} times ({row['verdict']})" for k, row in w.iterrows()]
-    slower = [k for k, row in w.iterrows() if row["verdict"] == "slower"]
-    noise = [k for k, row in w.iterrows() if row["verdict"] == "within the noise"]
-    display(Markdown(
-        "Against each baseline: " + "; ".join(parts) + ". "
-        + (f"Slower than its baseline: {', '.join(slower)}. " if slower else "")
-        + (f"Within the noise, so not a win here: {', '.join(noise)}. " if noise else "")
-        + "A change to the optimizer shows only where the optimizer is a visible share of the step (chapter 8's "
-          "category table); TF32 only where fp32 matrix products remain. "
-        + (lambda b: f"The optimizers' baseline step, median of {len(b.wall_s)}: {b.verdict} (GPU busy "
-                     f"{b.gpu_busy:.0%})"
-                     + (", so those rows measure the host's launches more than the update itself." if
-                        b.gpu_busy < timing.HOST_BOUND_BUSY else "."))(wins_timed["AdamW foreach (default)"])
-    ))
+def wins_text(cmp):
+    """The free-wins sentences: each row's ratio and interval, and what decides it (the GPU, or the reader's CPU)."""
+    text = []
+    fused = cmp.get("AdamW fused")
+    if fused is not None:
+        base = fused.a
+        text.append(f"Fused AdamW against the default `foreach`: {fused.phrase(what='than foreach')}; the GPU's own "
+                    f"work fell {fused.kernel_ratio:.2f}-fold (kernel time) and the host's enqueue time went from "
+                    f"{prose.ms(fused.a.host.median)} to {prose.ms(fused.b.host.median)} per step.")
+        if base.gpu_busy >= 0.9:
+            text.append(f"The baseline step keeps the GPU busy {prose.pct(base.gpu_busy)} of the time, so the wall clock "
+                        f"follows the GPU's work here, and the fused update's saving is what shows. In a host-bound step "
+                        f"(a smaller batch, or a slower CPU than this one's {timing.us_per_launch(base):.0f} µs per "
+                        f"GPU operation) the launches it saves decide instead, and there the reader's CPU decides.")
+        else:
+            text.append(f"The baseline step keeps the GPU busy only {prose.pct(base.gpu_busy)} of the time "
+                        f"({base.verdict}; {timing.us_per_launch(base):.0f} µs of host time per GPU operation), so the "
+                        f"wall clock follows the host: the launches the fused update saves decide this row, and the "
+                        f"reader's CPU decides how much they are worth.")
+    loop = cmp.get("AdamW for-loop")
+    if loop is not None:
+        extra = loop.b.kernels_per_call - loop.a.kernels_per_call
+        text.append(f"A plain loop over the parameters (`foreach=False`) against `foreach`: "
+                    f"{loop.phrase(what='than foreach')}. It launches {extra:,} more GPU operations per step "
+                    f"({loop.b.kernels_per_call:,} against {loop.a.kernels_per_call:,}); at "
+                    f"{timing.us_per_launch(loop.a):.0f} µs per launch on this host, whether the GPU hides them depends "
+                    f"on how far the host runs ahead of it, so the reader's CPU decides this row.")
+    ztn = cmp.get("zero_grad(set_to_none=True) (default)")
+    if ztn is not None:
+        text.append(f"Dropping the gradients (`set_to_none=True`, the default) against writing zeros into them: "
+                    f"{ztn.phrase(what='than zeroing')}, with a kernel-time speed-up of {ztn.kernel_ratio:.2f}×: a "
+                    f"memset per parameter is a small share of a step; the default also frees the gradients' memory "
+                    f"between steps.")
+    tf32 = cmp.get("fp32 step, TF32 on")
+    if tf32 is not None:
+        text.append(f"TF32 on an fp32 step (batch {TF32_BATCH}): {tf32.phrase(what='than full fp32')}, kernel-time "
+                    f"speed-up {tf32.kernel_ratio:.2f}×; the step keeps the GPU busy {prose.pct(tf32.a.gpu_busy)} of the "
+                    f"time without it, so this is the matrix products' own speed.")
+    voc = cmp.get("aligned vocabulary")
+    if voc is not None:
+        text.append(f"The vocabulary padded to a multiple of 64, the head's product forward and backward: "
+                    f"{voc.phrase(what='than the 30,522-word vocabulary')}.")
+    return " ".join(text)
+
+
+if prof.on_gpu and wins_cmp:
+    prose.say(wins_text(wins_cmp))
 else:
     print("skipped on CPU: no GPU timings to compare")
 
 # %% [markdown]
-# *Reading the table above.* The `zero_grad(set_to_none=False)` row times the opposite of the recommended
-# setting against the default: a speed-up above 1 there would mean that writing zeros was faster, and a verdict
-# "within the noise" supports neither setting on speed. Read the GPU-busy column before the optimizer rows: where
-# the GPU is busy for half of the step or less, they measure mostly the host's launch overhead, which is where
-# the fused AdamW's fewer kernel launches can help, and also where the host's run-to-run variation is largest.
-
-# %% [markdown]
 # ## 9.7 Summary: the fast path
 #
-# Every measured before/after comparison of this chapter, with the median and IQR of each side and the
-# verdict of `timing.compare` (a difference smaller than the larger IQR is "within the noise"):
+# Every comparison of this chapter, each timed interleaved against its own baseline: the median per-round
+# speed-up with its 95% interval, the kernel-time speed-up (the GPU's own work), how busy the baseline kept the
+# GPU and what limited it, and the verdict (*faster* or *slower* only when the whole interval lies beyond ±3%).
+# A row whose baseline is host-bound measures the host as much as the technique: on another CPU its number differs.
 
 # %%
 closing = pd.DataFrame(findings).set_index(["technique", "model"]) if findings else pd.DataFrame()
-closing
+with pd.option_context("display.max_columns", None, "display.max_colwidth", 60):
+    display(closing)
+
 
 # %% tags=["remove-input"]
-if prof.on_gpu and len(closing):
-    slower = closing[closing["verdict"] == "slower"]
-    noise = closing[closing["verdict"] == "within the noise"]
-    faster = closing[closing["verdict"] == "faster"]
-    ctimes = []
-    for name, (_, info) in compiled.items():
+def closing_text(table, compiled_info):
+    """The closing paragraph: how many comparisons went which way, which depend on the host, compile costs, skips."""
+    by = {v: table[table["verdict"] == v] for v in ("faster", timing.NO_DIFFERENCE, "slower")}
+    text = [f"Of the {len(table)} comparisons, {len(by['faster'])} made the work faster beyond ±3%, "
+            f"{len(by[timing.NO_DIFFERENCE])} showed no difference beyond the noise and {len(by['slower'])} made it slower"
+            + (": " + "; ".join(f"{t} on {m} ({r['speed-up']:.2f}×)" for (t, m), r in by["slower"].iterrows())
+               if len(by["slower"]) else "") + "."]
+    busy = table["baseline GPU busy"].astype(float)
+    host = table[busy < 0.9]
+    if len(host):
+        text.append(f"{len(host)} of them had a baseline that kept the GPU busy less than 90% of the time ("
+                    + prose.listing(f"{t}" for t, _ in host.index.unique())
+                    + "): there the host's speed is part of the result, and the reader's CPU decides the number.")
+    ctimes, skipped = [], []
+    for name, info in compiled_info.items():
         for label, row in info.items():
             if "compile time (s)" in row:
-                ctimes.append(f"{LM_NAME if name == LM else name}, {label}: {row['compile time (s)']:.0f} s")
-    display(Markdown(
-        f"{len(faster)} of the {len(closing)} changes made the step faster beyond the noise, {len(noise)} were within "
-        f"the noise and {len(slower)} made it slower"
-        + (": " + "; ".join(f"{t} on {m} ({r['speed-up']:.2f} times)" for (t, m), r in slower.iterrows()) if len(slower) else "")
-        + ". " + (f"Compile times: {'; '.join(ctimes)}." if ctimes else "")
-    ))
+                ctimes.append(f"{model_label(name)}, {label}: {row['compile time (s)']:.0f} s")
+            elif "note" in row:
+                skipped.append(f"{model_label(name)}, {label} ({row['note'].split(':')[0]})")
+    if ctimes:
+        text.append(f"Compile times, with cold caches: {'; '.join(ctimes)}.")
+    if skipped:
+        text.append(f"Not measured in this run: {'; '.join(skipped)}; section 9.3 says why.")
+    return " ".join(text)
+
+
+if prof.on_gpu and len(closing):
+    prose.say(closing_text(closing, {name: info for name, (_, info) in compiled.items()}))
 else:
     print("skipped on CPU: the closing comparison needs GPU timings")
 
+# %%
+if findings:
+    fig, ax = plt.subplots(figsize=(10, 0.32 * len(findings) + 1.5))
+    plot_speedups(ax, {f"{f['technique']}" + (" *" if (f["baseline GPU busy"] or 1) < 0.9 else ""): c
+                       for f, c in zip(findings, finding_cmps)},
+                  "every comparison of the chapter (* baseline busy < 90%: the host is part of the result)")
+    fig.tight_layout()
+
 # %% [markdown]
-# *What the table above does not hold.* Fused attention is measured only in section 9.1's sweep, not as a
-# training-step comparison; a compile mode that the chapter's time budget skipped has no row (section 9.3's
-# table says which ran), and `torch.compile` is measured per layer only, with the optimizer step eager in every
-# row (exercise 2 compiles the optimizer); CUDA graphs, data loading and the free wins were measured on bert-large only. The
-# attention kernel can also differ between rows: sections 9.3 and 9.4 show which kernel each compiled or
-# captured step ran.
+# *What the table above does not hold.* Fused attention is measured on the attention call alone (section 9.1),
+# not as a training-step comparison; a compile mode that the chapter's time budget skipped has no row (section
+# 9.3's table says which ran), and `torch.compile` is measured per layer only, with the optimizer step eager in
+# every row (exercise 2 compiles the optimizer); CUDA graphs, data loading and the free wins were measured on
+# bert-large only. The attention kernel can also differ between rows: sections 9.3 and 9.4 show which kernel each
+# compiled or captured step ran.
 
 # %% [markdown]
 # ### The checklist, in the order to try things
 #
-# 1. **Measure first** (chapter 8): median and IQR of ≥ 10 steps, GPU-busy fraction, category table.
+# 1. **Measure first** (chapter 8): median and IQR of ≥ 10 steps, GPU-busy fraction, category table; compare two
+#    settings interleaved (`timing.interleaved`), never as two separate blocks of timings.
 # 2. **GPU idle between steps?** Look at the input pipeline: `num_workers` > 0, `pin_memory=True` with
 #    `non_blocking=True`, persistent workers (section 9.5).
 # 3. **Fused attention**: `attn_implementation="sdpa"` (the default in transformers); check which backend
