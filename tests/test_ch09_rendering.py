@@ -62,7 +62,7 @@ def ns():
     namespace = {"timing": timing, "prose": prose, "packing": packing, "np": np, "pd": pd, "torch": torch,
                  "transformers": transformers, "os": os, "plt": plt,
                  "STAGED": "batches already on the GPU (no loader)", "W0": "num_workers=0", "WN": "num_workers=4",
-                 "WN_PIN": "num_workers=4, pin_memory, non_blocking", "TF32_BATCH": 8,
+                 "WN_PIN": "num_workers=4, pin_memory, non_blocking", "TF32_BATCH": 8, "LOAD_BATCH": 64,
                  "model_label": lambda name: name, "findings": [], "finding_cmps": []}
     exec(compile(ast.Module(body=wanted, type_ignores=[]), str(TWIN), "exec"), namespace)
     return namespace
