@@ -533,17 +533,17 @@ pd.Series(per_element, name=f"extra bytes saved per score element, s = {s_chk}, 
 def saved_bytes_text(per_element, ref, s_chk, sweep_dtype):
     """The saved-bytes sentence: measured bytes per score element against the formula and this implementation."""
     pe = per_element["eager"]
-    copy = torch.tensor([], dtype=sweep_dtype).element_size() if sweep_dtype != torch.float32 else 0
-    expected = 4 + copy  # the fp32 softmax output, and its 16-bit copy for the product with V (none in fp32)
     text = (f"Written-out attention saves {pe:.2f} extra bytes per score element over {ref} at s = {s_chk}. Korthikanti "
-            f"et al.'s formula counts 5: a 16-bit softmax output (2), its dropout mask (1) and the dropout output (2). "
-            f"This implementation has no dropout and keeps its softmax output in fp32 for the softmax's backward (4 bytes)"
-            + (f" and a {copy}-byte copy of it in the input's type for the product with V: {expected} bytes in all"
-               if copy else ", which is also what the product with V reads: 4 bytes in all")
-            + (", as measured. " if abs(pe - expected) < 0.25 else
-               f"; the measured {pe:.2f} differs from that by what the implementation keeps besides. ")
-            + "The exact number depends on the implementation's types, but the term is real and grows as b·a·s²; the "
-              "fused kernels remove it.")
+            f"et al.'s formula counts 5: a 16-bit softmax output (2), its dropout mask (1) and the dropout output (2). ")
+    if sweep_dtype != torch.float32:  # the GPU sweep: 16-bit inputs, softmax in fp32, then a 16-bit copy
+        copy = torch.tensor([], dtype=sweep_dtype).element_size()
+        expected = 4 + copy
+        text += (f"This implementation has no dropout and keeps its softmax output in fp32 for the softmax's backward "
+                 f"(4 bytes) and a {copy}-byte copy of it in the input's type for the product with V: {expected} bytes "
+                 f"in all" + (", as measured. " if abs(pe - expected) < 0.25 else
+                              f"; the measured {pe:.2f} differs from that by what the implementation keeps besides. "))
+    text += ("The exact number depends on the implementation's types, but the term is real and grows as b·a·s²; the "
+             "fused kernels remove it.")
     if "math" in per_element:
         text += f" The math backend saves {per_element['math']:.2f} extra bytes per element: it stores the matrix too."
     return text

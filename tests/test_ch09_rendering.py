@@ -105,8 +105,8 @@ def test_attention_text_when_eager_runs_out_of_memory(ns):
     assert "at 1,024" in text
 
 
-@pytest.mark.parametrize("dtype, pe, expected", [(torch.bfloat16, 5.95, "as measured"), (torch.float32, 4.0, "as measured"),
-                                                  (torch.bfloat16, 9.0, "differs")])
+@pytest.mark.parametrize("dtype, pe, expected", [(torch.bfloat16, 5.95, "as measured"), (torch.float32, 2.0, "types"),
+                                                  (torch.bfloat16, 9.0, "differs"), (torch.float16, 6.0, "as measured")])
 def test_saved_bytes_text(ns, dtype, pe, expected):
     text = clean(ns["saved_bytes_text"]({"eager": pe, "math": 12.0}, "memory-efficient", 4096, dtype))
     assert expected in text and "memory-efficient" in text and "math backend" in text
