@@ -6,7 +6,8 @@ Three ways to batch documents of different lengths for a causal LM:
 
 - ``pad_batches(docs, batch_size)``: consecutive documents, each batch padded to its longest one;
 - ``pad_batches(docs, batch_size, group_by_length=True)``: documents sorted by length first, so each
-  batch holds similar lengths and little padding (the Hugging Face Trainer's ``group_by_length``);
+  batch holds similar lengths and little padding (the Hugging Face Trainer's
+  ``train_sampling_strategy="group_by_length"``);
 - ``pack_rows(docs, row_len, rows_per_batch)``: documents concatenated into rows of ``row_len`` tokens
   with **position ids that restart at 0 for each document**. transformers reads a restart in
   ``position_ids`` (with ``attention_mask=None``) as a document boundary and builds a block-diagonal
@@ -122,3 +123,26 @@ def slots(batches: Sequence[dict[str, torch.Tensor]]) -> int:
     Introduced in chapter 9, section 9.2.
     """
     return sum(int(b["input_ids"].numel()) for b in batches)
+
+
+def pack_into(docs: Sequence[Sequence[int]], row_len: int, n_batches: int, *, pad_id: int = 0
+              ) -> list[dict[str, torch.Tensor]]:
+    """``pack_rows`` with the rows spread over exactly ``n_batches`` batches (sizes differ by at most one row).
+
+    For comparisons at equal batch counts: padded batches and packed ones then differ in the token slots they
+    compute on, not in the number of calls (and of kernel launches) a pass over them makes.
+
+    Introduced in chapter 9, section 9.2.
+    """
+    if n_batches < 1:
+        raise ValueError(f"n_batches must be at least 1, got {n_batches}")
+    rows = pack_rows(docs, row_len, 1, pad_id=pad_id)
+    if len(rows) < n_batches:
+        raise ValueError(f"{len(rows)} packed rows cannot fill {n_batches} batches")
+    size, extra = divmod(len(rows), n_batches)
+    batches, start = [], 0
+    for i in range(n_batches):
+        stop = start + size + (1 if i < extra else 0)
+        batches.append({k: torch.cat([r[k] for r in rows[start:stop]]) for k in rows[0]})
+        start = stop
+    return batches

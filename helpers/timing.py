@@ -702,3 +702,33 @@ def unpaired(a: tuple[float, ...] | list[float], b: tuple[float, ...] | list[flo
     b_lo, b_hi = median_interval(b, 0.975)
     return Unpaired(names[0], names[1], Spread.of(tuple(a)), Spread.of(tuple(b)),
                     statistics.median(a) / statistics.median(b), a_lo / b_hi, a_hi / b_lo, threshold)
+
+
+def comparisons_table(comparisons: dict[Any, Comparison], unit: str = "ms") -> Any:
+    """One row per comparison, with the same columns whatever the baselines are called (a ``pandas.DataFrame``).
+
+    ``Comparison.row`` names its first column after the baseline, which suits one comparison; a table of
+    several comparisons with different baselines needs fixed columns: baseline and candidate names, both medians,
+    the speed-up with its 95% interval, the GPU-time and kernel-time speed-ups, both GPU-busy fractions, rounds and
+    verdict. The keys of ``comparisons`` become the index (tuples become a MultiIndex).
+
+    >>> comparisons_table({"fused AdamW": c1, "TF32": c2})
+
+    Introduced in chapter 9, section 9.2.
+    """
+    import pandas as pd
+
+    if not comparisons:
+        raise ValueError("comparisons_table() needs at least one comparison")
+    scale = {"s": 1.0, "ms": 1e3, "us": 1e6}[unit]
+    rows = {}
+    for key, c in comparisons.items():
+        if not isinstance(c, Comparison):
+            raise ValueError(f"{key!r} is a {type(c).__name__}, not a timing.Comparison")
+        rows[key] = {"baseline": c.a_name, "candidate": c.b_name,
+                     f"baseline ({unit})": c.a.wall.median * scale, f"candidate ({unit})": c.b.wall.median * scale,
+                     "speed-up": c.speedup, "95% low": c.lo, "95% high": c.hi,
+                     "GPU-time speed-up": c.gpu_ratio, "kernel-time speed-up": c.kernel_ratio,
+                     "baseline GPU busy": c.a.gpu_busy, "candidate GPU busy": c.b.gpu_busy,
+                     "rounds": c.rounds, "verdict": c.verdict}
+    return pd.DataFrame.from_dict(rows, orient="index")
