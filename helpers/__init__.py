@@ -19,7 +19,6 @@ Models, data, training
 - ``models``      offline model registry (full size and tiny twins), local checkpoints
 - ``data``        datasets that need no download (random tokens, a Markov chain, keywords, tokenising), batches
 - ``packing``     variable-length documents into batches: padding, length grouping, packing with position ids
-- ``train``       ``train.batches``, the name three chapters use for ``data.batches``
 - ``steps``       the book's training step: a batch on the device, one step with its phases marked
 
 Memory management

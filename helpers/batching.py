@@ -31,12 +31,6 @@ import pandas as pd
 
 from helpers import cleanup, measure
 
-# Collect garbage and empty the CUDA cache: ``cleanup.collect``, under the name chapter 3 uses.
-release = cleanup.collect
-
-# The one out-of-memory test (``measure.is_out_of_memory``), under the name chapter 9 uses.
-is_out_of_memory = measure.is_out_of_memory
-
 
 def allocated_mib() -> float:
     """torch's allocated CUDA memory in MiB (``measure.allocator_mib``); NaN without CUDA.
@@ -92,12 +86,12 @@ def try_batch(
     try:
         value = step(batch_size)
     except RuntimeError as err:  # torch.OutOfMemoryError is one
-        if not is_out_of_memory(err):
+        if not measure.is_out_of_memory(err):
             raise
         error = short_error(str(err))
     # The except block is over: Python has dropped ``err`` and its traceback, so the failed step's
     # frames (and the tensors they held) can be freed now, not before.
-    release()
+    cleanup.collect()
     return Attempt(batch_size, error is None, memory_mib(), value if error is None else None, error)
 
 

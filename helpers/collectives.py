@@ -11,11 +11,9 @@
   repeat's time is the slowest rank's (a collective is done when the last rank is), and the
   result keeps every repeat for the median and the spread. Run it under ``torchrun`` with gloo on
   CPUs or NCCL on GPUs (chapter 7's ``scripts/collectives_bench.py``).
-- **Elsewhere, re-exported here** under the names chapter 7 calls: a profiler trace's communication
-  kernels per collective and their overlap with compute (``communication_from_trace``,
-  ``communication_overlap``, ``collective_kind``) are ``profiler``'s, which owns trace reading; the
-  link's status from ``nvidia-smi nvlink -s`` (``nvlink_status``, ``parse_nvlink_status``) is
-  ``env``'s, which describes the machine.
+- **Not here:** a profiler trace's communication kernels and their overlap with compute
+  (``profiler.communication_from_trace``, ``profiler.communication_overlap``), which belong with the one trace
+  reader, and the NVLink status of ``nvidia-smi nvlink -s`` (``env.nvlink_status``), which describes the machine.
 
 Introduced in chapter 7, section 7.7 (Communication, measured).
 
@@ -33,17 +31,9 @@ from dataclasses import asdict, dataclass
 import pandas as pd
 import torch
 
-from helpers.env import nvlink_status, parse_nvlink_status
 from helpers.estimates import COLLECTIVES, bus_factor
-from helpers.profiler import GB, collective_kind, communication_from_trace, communication_overlap
+from helpers.profiler import GB
 from helpers.timing import Spread
-
-# Names chapter 7 calls through this module; they live in env and profiler.
-__all__ = [
-    "CollectiveTiming", "algorithm_bandwidth", "bandwidth_table", "bus_bandwidth", "records_json",
-    "sizes_between", "sweep", "time_collective",
-    "collective_kind", "communication_from_trace", "communication_overlap", "nvlink_status", "parse_nvlink_status",
-]
 
 
 def algorithm_bandwidth(size_bytes: float, time_s: float) -> float:

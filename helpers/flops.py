@@ -20,7 +20,6 @@ from __future__ import annotations
 from torch import nn
 
 # The datasheet peaks live in ``helpers.gpus``; chapters 5, 8 and 10 still call them through ``flops``.
-from helpers.gpus import PEAK_BANDWIDTH_GB_S, PEAK_TFLOPS, gpu_key, peak_bandwidth_gb_s, peak_tflops  # noqa: F401
 
 
 def matmul_params(model: nn.Module) -> int:

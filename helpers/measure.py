@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 import torch
 
-from helpers.gpus import T4_MEMORY_GIB  # the T4 card that t4_budget emulates; chapter 7 reads it here
+from helpers.gpus import T4_MEMORY_GIB  # the T4 card that t4_budget emulates
 from helpers.profiles import require_cuda
 
 MIB = 2**20

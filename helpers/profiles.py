@@ -20,7 +20,6 @@ from typing import TypeVar
 import torch
 
 # What the GPU here can do lives in ``helpers.gpus``; the chapters still ask ``profiles`` for it.
-from helpers.gpus import amp_dtype, capability  # noqa: F401
 
 ENV_VAR = "GPUBOOK_PROFILE"
 PROFILES = ("tiny", "full")

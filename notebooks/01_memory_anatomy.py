@@ -61,7 +61,7 @@ import torch
 from IPython.display import Markdown, display
 from transformers import Trainer, TrainingArguments
 
-from helpers import accounting, cleanup, data, estimates, measure, models, plots, profiles, timing
+from helpers import accounting, cleanup, data, estimates, gpus, measure, models, plots, profiles, timing
 from helpers.measure import GIB, MIB
 
 plots.use_style()
@@ -381,12 +381,12 @@ if profiles.cuda_or_skip("the allocator's numbers exist only on a GPU"):
 # `torch.autocast`: the weights stay fp32 and each matrix multiplication casts them to 16 bits on the fly.
 # Where do the two extra bytes live then? We count, with a single short sequence so that activations are
 # negligible, what autocast saves for backward, and what an fp32 and a 16-bit model need for inference.
-# The 16-bit type is `profiles.amp_dtype()`: bf16 on a CPU and on GPUs of compute capability 8.0 or newer,
+# The 16-bit type is `gpus.amp_dtype()`: bf16 on a CPU and on GPUs of compute capability 8.0 or newer,
 # fp16 on older ones such as the T4, which has no bf16 tensor cores.
 
 # %%
 autocast_device = "cuda" if prof.on_gpu else "cpu"
-amp = profiles.amp_dtype()
+amp = gpus.amp_dtype()
 amp_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[amp]
 tiny_batch = {"input_ids": batch["input_ids"][:1, :8], "labels": batch["labels"][:1]}
 with accounting.SavedTensorMeter(model) as saved_fp32:

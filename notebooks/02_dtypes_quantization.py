@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from IPython.display import Markdown, display
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, GemmaConfig, MistralConfig
 
-from helpers import accounting, cleanup, models, plots, profiles, timing
+from helpers import accounting, cleanup, gpus, models, plots, profiles, timing
 from helpers.measure import GIB, MIB
 
 plots.use_style()
@@ -331,7 +331,7 @@ n = prof.pick(tiny=256, full=4096)
 A64 = torch.randn(n, n, dtype=torch.float64, device=prof.device)
 B64 = torch.randn(n, n, dtype=torch.float64, device=prof.device)
 C64 = A64 @ B64
-cap = profiles.capability()  # None on a CPU
+cap = gpus.capability()  # None on a CPU
 modes = [("fp32", torch.float32, False), ("fp16", torch.float16, False)]
 if cap is None or cap.bf16:
     modes.insert(1, ("bf16", torch.bfloat16, False))
@@ -735,7 +735,7 @@ print(levels.T.to_string(float_format="{:.4f}".format, header=False))  # text: i
 # storage, output error against the 16-bit layer, and speed.
 
 # %%
-amp = profiles.amp_dtype()
+amp = gpus.amp_dtype()
 REF = {torch.bfloat16: "bf16", torch.float16: "fp16"}[amp]
 d_in = d_out = prof.pick(tiny=256, full=4096)
 tokens = prof.pick(tiny=64, full=4096)

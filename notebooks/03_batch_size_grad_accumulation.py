@@ -64,7 +64,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Trainer, TrainingArguments
 
-from helpers import accounting, batching, cleanup, data, flops, measure, models, plots, profiles, steps, train
+from helpers import accounting, batching, cleanup, data, flops, measure, models, plots, profiles, steps
 from helpers.measure import GIB, MIB
 
 plots.use_style()
@@ -459,8 +459,8 @@ else:
 name = "polyglot-ko-1.3b"
 model, optimizer = build(name)
 steps.train_step(model, optimizer, make_batch(name, 1))  # AdamW's states exist from here on
-batching.release()
-baseline_mib = batching.allocated_mib()
+cleanup.collect()
+baseline_mib = measure.allocator_mib()
 
 
 def polyglot_step(batch_size):
@@ -633,7 +633,7 @@ for label, bs, steps_per_update in [(f"batch {micro_bs * n_accum}", micro_bs * n
                                     (f"{n_accum} accumulated micro-batches of {micro_bs}", micro_bs, n_accum)]:
     model_run = build_small()
     optimizer = torch.optim.AdamW(model_run.parameters(), lr=small_lr)
-    batches = [to_device(b) for b in train.batches(markov, bs, shuffle=False)]
+    batches = [to_device(b) for b in data.batches(markov, bs, shuffle=False)]
     runs[label] = (train_accumulating(model_run, optimizer, batches, steps_per_update), model_run)
 (loss_big, model_big), (loss_acc, model_acc) = runs.values()
 curves = pd.DataFrame({label: losses for label, (losses, _) in runs.items()})
@@ -922,7 +922,7 @@ def time_epoch(label, fn):
 
 model, optimizer = build(name)
 time_epoch("hand-written loop", lambda: train_accumulating(
-    model, optimizer, (to_device(b) for b in train.batches(epoch_data, 4, shuffle=False)), 4))
+    model, optimizer, (to_device(b) for b in data.batches(epoch_data, 4, shuffle=False)), 4))
 cleanup.free(globals(), "optimizer")  # its AdamW states go; the Trainer makes its own
 trainer = Trainer(model=model, args=args, train_dataset=epoch_data)
 trainer_own = []  # the Trainer's own clock: train_samples_per_second from each train() call's metrics
@@ -931,7 +931,7 @@ trainer_own = trainer_own[-10:]  # the timed calls (time_it's warm-up call first
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)  # the loop's own again, for speed only
 with contextlib.redirect_stdout(io.StringIO()):  # (each train() call prints its metrics)
     cmp_tr = timing.interleaved(
-        lambda: train_accumulating(model, optimizer, (to_device(b) for b in train.batches(epoch_data, 4, shuffle=False)),
+        lambda: train_accumulating(model, optimizer, (to_device(b) for b in data.batches(epoch_data, 4, shuffle=False)),
                                    4),
         trainer.train, device=prof.device, names=("hand-written loop", "Trainer"), rounds=prof.pick(tiny=10, full=15),
         warmup=1, busy=False)

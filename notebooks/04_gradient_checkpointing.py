@@ -64,7 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from helpers import accounting, batching, cleanup, measure, models, plots, profiles, steps
+from helpers import accounting, batching, cleanup, gpus, measure, models, plots, profiles, steps
 from helpers.measure import GIB, MIB
 
 plots.use_style()
@@ -76,8 +76,8 @@ env.report(prof)
 # As in chapter 3, we measure this process's CUDA context first, so that section 4.3 can emulate a T4 (14.75
 # GiB minus the context) on a larger card, and note the allocated memory after this warm-up: the chapter's
 # baseline, which the last cell checks. We also ask what this GPU can do: fused attention kernels and bf16
-# tensor cores need compute capability 8.0 or newer (`profiles.capability()`), and section 4.4 picks its
-# 16-bit type with `profiles.amp_dtype()` (bf16 there, fp16 on older GPUs such as the T4). Times come from
+# tensor cores need compute capability 8.0 or newer (`gpus.capability()`), and section 4.4 picks its
+# 16-bit type with `gpus.amp_dtype()` (bf16 there, fp16 on older GPUs such as the T4). Times come from
 # chapter 8's `timing.time_it` (ten repeats after warm-up, with spread, GPU time and the GPU-busy fraction), and
 # comparisons from `timing.interleaved`: the two sides in alternating rounds, the median of the per-round ratios
 # with its 95% interval, and "faster" or "slower" only when the whole interval lies beyond ±3%.
@@ -87,7 +87,7 @@ from IPython.display import Markdown, display
 
 from helpers import flops, prose, timing
 
-cap = profiles.capability()
+cap = gpus.capability()
 t4_budget_gib, chapter_baseline_mib = None, 0.0
 if profiles.cuda_or_skip("emulating a T4 needs a GPU"):
     nvml_before = measure.nvml_used_mib()
@@ -99,7 +99,7 @@ if profiles.cuda_or_skip("emulating a T4 needs a GPU"):
     chapter_baseline_mib = torch.cuda.memory_allocated() / MIB
     print(f"emulated T4: {budget.describe()}")
     print(f"{cap.name}: compute capability {cap.major}.{cap.minor}; FlashAttention and bf16 tensor cores: "
-          f"{'yes' if cap.flash_attention else 'no'}; 16-bit type for section 4.4: {profiles.amp_dtype()}")
+          f"{'yes' if cap.flash_attention else 'no'}; 16-bit type for section 4.4: {gpus.amp_dtype()}")
     print(f"allocated at the start (the chapter's baseline): {chapter_baseline_mib:,.1f} MiB")
 
 
@@ -989,7 +989,7 @@ else:
 # attention kernel already does exactly that: FlashAttention ([Dao et al., 2022](../book/references.md)) and PyTorch's SDPA with its
 # flash or memory-efficient kernel never store the matrix and rebuild it in the backward pass. SDPA's math
 # fallback, which it uses when no fused kernel supports the inputs (bf16 below compute capability 8.0, for
-# one), stores it like eager attention; the stack below uses `profiles.amp_dtype()` (fp16 on such GPUs) and checks
+# one), stores it like eager attention; the stack below uses `gpus.amp_dtype()` (fp16 on such GPUs) and checks
 # that a fused kernel runs. With a fused kernel, the remaining choice is coarser: recompute the attention half of
 # the block or the MLP half. Our `Block` can do either; we stack several and measure.
 #
@@ -999,7 +999,7 @@ else:
 # the PCIe bus, which PyTorch issues on the same stream as the computation, so they add to the step's time
 # instead of hiding behind it.
 #
-# Each mode below runs forward and backward (no optimizer) on a stack of blocks in `profiles.amp_dtype()` (bf16
+# Each mode below runs forward and backward (no optimizer) on a stack of blocks in `gpus.amp_dtype()` (bf16
 # on GPUs of compute capability 8.0 and newer, fp16 below; fp32 in the tiny profile). Memory is measured at batch 8
 # of 512 tokens: bytes kept for backward on the device (`SavedTensorMeter`, entered inside `save_on_cpu`: it sees
 # every saved tensor, lets `save_on_cpu` move it, and counts what stays on the device) and the peak allocated
@@ -1013,7 +1013,7 @@ else:
 
 # %%
 n_blocks, stack_batch = prof.pick(tiny=2, full=8), prof.pick(tiny=4, full=8)
-stack_dtype = prof.pick(tiny=torch.float32, full=profiles.amp_dtype())
+stack_dtype = prof.pick(tiny=torch.float32, full=gpus.amp_dtype())
 stack_fused = fused_sdpa_runs(stack_dtype)
 print(f"stack in {stack_dtype}; fused SDPA kernel (no s x s matrix stored): {stack_fused}")
 torch.manual_seed(0)

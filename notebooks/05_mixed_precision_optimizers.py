@@ -61,7 +61,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 
-from helpers import accounting, cleanup, data, estimates, flops, measure, models, plan, plots, profiles, train
+from helpers import accounting, cleanup, data, estimates, flops, gpus, measure, models, plan, plots, profiles
 from helpers.measure import GIB, MIB
 
 plots.use_style()
@@ -82,8 +82,8 @@ from IPython.display import Markdown, display
 
 from helpers import prose, steps, timing
 
-cap = profiles.capability()  # None on a CPU
-AMP = profiles.amp_dtype()  # bf16 on a CPU and on GPUs of compute capability >= 8.0, fp16 below
+cap = gpus.capability()  # None on a CPU
+AMP = gpus.amp_dtype()  # bf16 on a CPU and on GPUs of compute capability >= 8.0, fp16 below
 AMP_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16"}[AMP]
 baseline_mib = torch.cuda.memory_allocated() / MIB if prof.on_gpu else 0.0
 if cap is not None:
@@ -144,7 +144,7 @@ kw_seq, kw_batch = 16, prof.pick(tiny=16, full=64)
 kw_steps, warmup_steps, kw_lr = prof.pick(tiny=12, full=80), 20, prof.pick(tiny=1e-4, full=2e-5)
 big_seq, big_batch, big_plan_gib = prof.pick(tiny=64, full=512), 2, float("nan")  # the realistic step
 if prof.on_gpu:  # the largest batch whose fp32 step (AdamW, the peak recipe) the planner predicts to fit
-    free_gib = torch.cuda.mem_get_info()[0] / GIB - plan.CONTEXT_RESERVE_GIB
+    free_gib = torch.cuda.mem_get_info()[0] / GIB - gpus.CONTEXT_RESERVE_GIB
     big_plans = {b: plan.predict(plan.Setup(model="bert-large", batch=b, seq=big_seq, precision="fp32",
                                             optimizer="adamw")) for b in (32, 16, 8, 4)}
     big_batch = next((b for b, p in big_plans.items() if p.fits(free_gib)), 4)
@@ -252,7 +252,7 @@ def train_recipe(recipe, steps=kw_steps, lr=kw_lr):
 
     losses, scales = [], []
     measure.reset_peak(dev)
-    for i, batch in enumerate(itertools.islice(train.batches(ds_kw, kw_batch, seed=0), steps)):
+    for i, batch in enumerate(itertools.islice(data.batches(ds_kw, kw_batch, seed=0), steps)):
         batch = {k: v.to(dev) for k, v in batch.items()}
         for group in optimizer.param_groups:  # linear warm-up of the learning rate
             group["lr"] = lr * min(1.0, (i + 1) / warmup_steps)
@@ -425,7 +425,7 @@ def tf32(on):
 
 model = models.build("bert-large-uncased", head="sequence-classification", seed=0)
 optimizer = torch.optim.AdamW(model.parameters(), lr=kw_lr)
-small = {k: v.to(dev) for k, v in next(iter(train.batches(ds_kw, kw_batch, seed=0))).items()}
+small = {k: v.to(dev) for k, v in next(iter(data.batches(ds_kw, kw_batch, seed=0))).items()}
 big = {k: v.to(dev) for k, v in ds_big[:].items()}
 cmp_small = {HALF: timing.interleaved(steps.make_step(model, optimizer, small),
                                       steps.make_step(model, optimizer, small, amp=RECIPES[HALF]), device=dev,
@@ -872,7 +872,7 @@ def train_optimizer(name, steps=kw_steps):
 
     losses = []
     measure.reset_peak(dev)
-    for i, batch in enumerate(itertools.islice(train.batches(ds_kw, kw_batch, seed=0), steps)):
+    for i, batch in enumerate(itertools.islice(data.batches(ds_kw, kw_batch, seed=0), steps)):
         batch = {k: v.to(dev) for k, v in batch.items()}
         for group in optimizer.param_groups:
             group["lr"] = lr * min(1.0, (i + 1) / warmup_steps)
@@ -909,7 +909,7 @@ optim_table
 
 # %%
 model = models.build("bert-large-uncased", head="sequence-classification", seed=0)
-opt_batch = {k: v.to(dev) for k, v in next(iter(train.batches(ds_kw, kw_batch, seed=0))).items()}
+opt_batch = {k: v.to(dev) for k, v in next(iter(data.batches(ds_kw, kw_batch, seed=0))).items()}
 with torch.autocast(dev, dtype=AMP):
     model(**opt_batch).loss.backward()  # gradients that every optimizer below steps on (each step reuses them)
 reference = OPTIMIZERS["AdamW (fused)"][0](model.parameters(), kw_lr)
@@ -1157,7 +1157,7 @@ gpu_name = torch.cuda.get_device_name() if prof.on_gpu else ""
 peaks = {}
 for m in MODES if prof.on_gpu else ():
     try:
-        peaks[m] = flops.peak_tflops(gpu_name, m)
+        peaks[m] = gpus.peak_tflops(gpu_name, m)
     except ValueError:  # a GPU or dtype that is not in the table
         peaks[m] = float("nan")
 n_mid = fine_sizes[len(fine_sizes) // 2]  # 4096 on the GPU

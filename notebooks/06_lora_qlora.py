@@ -68,7 +68,7 @@ import torch
 from torch import nn
 from transformers.utils import logging as hf_logging
 
-from helpers import accounting, cleanup, data, estimates, measure, models, plots, profiles, train
+from helpers import accounting, cleanup, data, estimates, gpus, measure, models, plots, profiles
 from helpers.measure import GIB, MIB
 
 hf_logging.disable_progress_bar()  # from_pretrained and save_pretrained draw no progress bars
@@ -90,8 +90,8 @@ from IPython.display import Markdown, display
 
 from helpers import prose, steps, timing
 
-cap = profiles.capability()  # None on a CPU
-AMP = profiles.amp_dtype()
+cap = gpus.capability()  # None on a CPU
+AMP = gpus.amp_dtype()
 AMP_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16"}[AMP]
 baseline_mib = torch.cuda.memory_allocated() / MIB if prof.on_gpu else 0.0
 if cap is not None:
@@ -447,7 +447,7 @@ def run(build, steps, busy=True):
             optimizer.zero_grad(set_to_none=True)
             return loss, grads
 
-        for i, batch in enumerate(itertools.islice(train.batches(ds_lm, lm_batch, seed=0), steps)):
+        for i, batch in enumerate(itertools.islice(data.batches(ds_lm, lm_batch, seed=0), steps)):
             where = f"step {i + 1}"
             batch = {k: v.to(dev) for k, v in batch.items()}
             for group, lr in zip(optimizer.param_groups, base_lrs):  # linear warm-up over 10 steps
@@ -731,7 +731,7 @@ speed["GPU kernel time (ms)"] = [1e3 * timings[n].kernel_s if n in timings and t
 speed["GPU ops per step"] = [timings[n].kernels_per_call if n in timings else None for n in speed.index]
 display(speed)
 
-lm_first = {k: v.to(dev) for k, v in next(iter(train.batches(ds_lm, lm_batch, seed=0))).items()}
+lm_first = {k: v.to(dev) for k, v in next(iter(data.batches(ds_lm, lm_batch, seed=0))).items()}
 speed_cmp = {}
 
 

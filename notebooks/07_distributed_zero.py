@@ -75,8 +75,20 @@ import torch
 import torch.nn.functional as F
 from IPython.display import Code, Markdown, display
 
-from helpers import cleanup, collectives, estimates, launching, models, plots, profiles, prose, timing
-from helpers.measure import GIB, MIB, T4_MEMORY_GIB
+from helpers import (
+    cleanup,
+    collectives,
+    estimates,
+    launching,
+    models,
+    plots,
+    profiler,
+    profiles,
+    prose,
+    timing,
+)
+from helpers.gpus import T4_MEMORY_GIB
+from helpers.measure import GIB, MIB
 
 plots.use_style()
 pd.options.display.float_format = "{:,.2f}".format
@@ -855,7 +867,7 @@ NCCL_EFFECTIVE_NVLINK4_GB_S = 370.0  # Jeaugey (2024), nccl-tests issue 212: lin
 nominal = {}  # label -> GB/s per direction, drawn as lines
 if profiles.cuda_or_skip("no NVLink between CPU processes (gloo moves data through the host)"):
     gpu_name = torch.cuda.get_device_name(0)
-    found = collectives.nvlink_status()
+    found = env.nvlink_status()
     links = found[1].get(0, []) if found else []
     if found is None:
         print("nvidia-smi nvlink -s is missing or failed here: the link's nominal bandwidth is unknown")
@@ -941,8 +953,8 @@ else:
 # over the step ($\Psi$ fp32 parameters and gradients; section 7.3): DDP all-reduces the gradients; ZeRO-1 as
 # PyTorch runs it adds a broadcast of the parameters; FSDP's ZeRO-2 all-gathers the parameters once and
 # reduce-scatters the gradients; ZeRO-3 all-gathers them twice. The 2-GPU run of section 7.4 recorded one step
-# per engine with the profiler on rank 0; `collectives.communication_from_trace` sums the communication
-# kernels it finds there, by collective, and `collectives.communication_overlap` splits their time into the
+# per engine with the profiler on rank 0; `profiler.communication_from_trace` sums the communication
+# kernels it finds there, by collective, and `profiler.communication_overlap` splits their time into the
 # part that ran while a compute kernel ran on the same GPU (*hidden*) and the rest (*exposed*). An NCCL
 # kernel starts when its rank arrives and ends when all ranks are done, so *exposed* also counts waiting for
 # the other rank.
@@ -955,7 +967,7 @@ if prof.on_gpu and 2 in world_sizes:
     rows, overlap = [], {}
     for engine_name in estimates.STAGES:
         path = traces / f"{engine_name}.json.gz"
-        measured = collectives.communication_from_trace(path)
+        measured = profiler.communication_from_trace(path)
         kinds = sorted(set(measured.index) | set(formula_mib.loc[engine_name].index))
         for kind in kinds:
             got = measured.loc[kind] if kind in measured.index else None
@@ -964,7 +976,7 @@ if prof.on_gpu and 2 in world_sizes:
                          "profiler S (MiB)": got["S (MiB)"] if got is not None else 0.0,
                          "calls": int(got["calls"]) if got is not None else 0,
                          "kernel time (ms)": got["kernel time (ms)"] if got is not None else 0.0})
-        overlap[estimates.COMM_LABELS[engine_name]] = collectives.communication_overlap(path)
+        overlap[estimates.COMM_LABELS[engine_name]] = profiler.communication_overlap(path)
     comm_bytes = pd.DataFrame(rows).set_index(["engine", "collective"])
     assert (comm_bytes["calls"] > 0).any(), f"no NCCL kernels in the traces of {traces}: were they recorded on a GPU?"
     display(comm_bytes)

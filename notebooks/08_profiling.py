@@ -76,6 +76,7 @@ from helpers import (
     batching,
     cleanup,
     flops,
+    gpus,
     measure,
     memsnap,
     models,
@@ -102,8 +103,8 @@ env.report(prof)
 # older GPUs such as Colab's T4.
 
 # %%
-cap = profiles.capability()
-AMP = profiles.amp_dtype()
+cap = gpus.capability()
+AMP = gpus.amp_dtype()
 baseline_mib = torch.cuda.memory_allocated() / MIB if prof.on_gpu else 0.0
 if cap is not None:
     print(f"{cap.name}: compute capability {cap.major}.{cap.minor}; autocast uses {AMP}")
@@ -161,7 +162,7 @@ clock_table["implied TFLOP/s"] = matmul_flop / pd.Series(clocks) / 1e12
 peak = None
 if prof.on_gpu:
     try:
-        peak = flops.peak_tflops(torch.cuda.get_device_name(), mm_dtype)
+        peak = gpus.peak_tflops(torch.cuda.get_device_name(), mm_dtype)
     except ValueError:  # a GPU the table does not know
         peak = None
 clock_table
@@ -922,7 +923,7 @@ def bandwidth_text(bw, c, sheet_gib_s=None):
 
 if prof.on_gpu:
     try:
-        sheet = flops.peak_bandwidth_gb_s(torch.cuda.get_device_name()) * 1e9 / GIB
+        sheet = gpus.peak_bandwidth_gb_s(torch.cuda.get_device_name()) * 1e9 / GIB
     except ValueError:  # a GPU without a datasheet entry
         sheet = None
     prose.say(bandwidth_text(bw_table, adam_cmp, sheet))

@@ -83,6 +83,7 @@ from helpers import (
     cleanup,
     data,
     estimates,
+    gpus,
     measure,
     models,
     packing,
@@ -118,8 +119,8 @@ env.report(prof)
 # (precision, fused kernels, padding) alters whatever the host does.
 
 # %%
-cap = profiles.capability()
-AMP = profiles.amp_dtype()
+cap = gpus.capability()
+AMP = gpus.amp_dtype()
 baseline_mib = torch.cuda.memory_allocated() / MIB if prof.on_gpu else 0.0
 ROUNDS = prof.pick(tiny=10, full=timing.ROUNDS)  # rounds per comparison: 15 on a GPU, the minimum of 10 on a CPU
 REPEAT = prof.pick(tiny=3, full=10)  # timed repeats of a single measurement: 10 on a GPU; a CPU run only checks the code
@@ -349,7 +350,7 @@ def attention_call(impl, seq_len, dtype):
             warnings.simplefilter("ignore")
             fwd_bwd()
     except RuntimeError as err:
-        if batching.is_out_of_memory(err):
+        if measure.is_out_of_memory(err):
             raise
         return None
     q.grad = k.grad = v.grad = None

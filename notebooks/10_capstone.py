@@ -64,7 +64,20 @@ import pandas as pd
 import torch
 from IPython.display import Markdown, display
 
-from helpers import batching, cleanup, flops, measure, models, plan, plots, profiles, prose, steps, timing
+from helpers import (
+    batching,
+    cleanup,
+    flops,
+    gpus,
+    measure,
+    models,
+    plan,
+    plots,
+    profiles,
+    prose,
+    steps,
+    timing,
+)
 from helpers.measure import GIB, MIB
 
 plots.use_style()
@@ -97,11 +110,11 @@ def seconds_left():
     return CHAPTER_BUDGET_S - (time.perf_counter() - chapter_start)
 
 
-cap = profiles.capability()
-AMP = profiles.amp_dtype()
+cap = gpus.capability()
+AMP = gpus.amp_dtype()
 AMP_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16"}[AMP]
 t4 = None
-ON_T4 = prof.on_gpu and flops.gpu_key(torch.cuda.get_device_name()) == "T4"  # a real T4: nothing to emulate
+ON_T4 = prof.on_gpu and gpus.gpu_key(torch.cuda.get_device_name()) == "T4"  # a real T4: nothing to emulate
 if profiles.cuda_or_skip("the T4 budget and the allocator's baseline need a GPU"):
     nvml_before = measure.nvml_used_mib()
     torch.ones(256, 256, device="cuda") @ torch.ones(256, 256, device="cuda")
@@ -109,7 +122,7 @@ if profiles.cuda_or_skip("the T4 budget and the allocator's baseline need a GPU"
     print(f"{cap.name}: compute capability {cap.major}.{cap.minor}; autocast uses {AMP_NAME}")
     print(f"{'T4 budget' if ON_T4 else 'emulated T4'}: {t4.describe()}")
 baseline_mib = torch.cuda.memory_allocated() / MIB if prof.on_gpu else 0.0
-T4_BUDGET_GIB = t4.budget_gib if t4 else plan.GPU_MEMORY_GIB["T4"] - plan.CONTEXT_RESERVE_GIB  # the CLI's T4 budget
+T4_BUDGET_GIB = t4.budget_gib if t4 else gpus.GPU_MEMORY_GIB["T4"] - gpus.CONTEXT_RESERVE_GIB  # the CLI's T4 budget
 
 # %% [markdown]
 # ## 10.1 The planner: predict before you run
@@ -473,7 +486,7 @@ term_table if len(worst_rows) else print("skipped on CPU: no measured rows")
 # (H100) to 2.4 (H200) times (against the 80 GB A100). So expect a lower MFU than these papers report.
 #
 # MFU is the achieved model FLOP/s over the GPU's datasheet dense 16-bit peak (bf16, or fp16 on a GPU without
-# bf16 tensor cores: 989 TFLOP/s on an H100 or H200 SXM, 65 on a T4; `flops.PEAK_TFLOPS`). The fp32 rungs
+# bf16 tensor cores: 989 TFLOP/s on an H100 or H200 SXM, 65 on a T4; `gpus.PEAK_TFLOPS`). The fp32 rungs
 # are measured against the same 16-bit peak, so that all rungs share one yardstick. We also give MFU against
 # the **measured matmul ceiling**: the rate of one large 16-bit matrix product on this GPU, which is what the
 # tensor cores really deliver. Each step is timed on its own and ends with a synchronisation, so a training
@@ -489,7 +502,7 @@ b = torch.randn(n_mm, n_mm, device=dev, dtype=mm_dtype, generator=gen)
 mm = timing.time_it(lambda: a @ b, device=dev, warmup=3, repeat=10)
 ceiling_tflops = 2 * n_mm**3 / (mm.kernel_s if mm.kernel_s else mm.wall.median) / 1e12
 try:
-    peak_tflops = flops.peak_tflops(torch.cuda.get_device_name(), AMP) if prof.on_gpu else None  # fp16 on a T4
+    peak_tflops = gpus.peak_tflops(torch.cuda.get_device_name(), AMP) if prof.on_gpu else None  # fp16 on a T4
 except ValueError:  # a GPU the table does not know
     peak_tflops = None
 cleanup.free(globals(), "a", "b", "gen")
@@ -1051,8 +1064,8 @@ def t4_fraction():
     """This GPU's dense 16-bit FLOP/s and bandwidth over a T4's, from helpers.flops' datasheet tables."""
     name = torch.cuda.get_device_name()
     try:
-        return (flops.peak_tflops(name, AMP) / flops.PEAK_TFLOPS["T4"]["fp16"],
-                flops.peak_bandwidth_gb_s(name) / flops.PEAK_BANDWIDTH_GB_S["T4"])
+        return (gpus.peak_tflops(name, AMP) / gpus.PEAK_TFLOPS["T4"]["fp16"],
+                gpus.peak_bandwidth_gb_s(name) / gpus.PEAK_BANDWIDTH_GB_S["T4"])
     except ValueError:  # a GPU the tables do not know
         return None
 

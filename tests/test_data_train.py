@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from helpers import data, models, train
+from helpers import data, models
 
 
 def test_dummy_dataset_shapes_ranges_and_seed():
@@ -92,4 +92,3 @@ def test_batches_are_whole_seeded_and_checked():
     assert torch.equal(in_order["input_ids"], ds[:4]["input_ids"])
     with pytest.raises(ValueError, match="batch_size must be positive"):
         data.batches(ds, 0)
-    assert train.batches is data.batches  # the name chapters 3, 5 and 6 call

@@ -124,13 +124,12 @@ def test_gpus_imports_no_other_helpers_module():
             assert not any(a.name.startswith("helpers") for a in node.names), ast.unparse(node)
 
 
-def test_the_names_chapters_still_use_are_the_same_objects():
-    """Chapters reach these facts through their old modules until their call sites move to ``gpus``."""
-    from helpers import flops, measure, plan, profiles
+def test_gpu_facts_have_one_home():
+    """The GPU facts live in ``gpus`` only: the modules that held them before no longer offer them."""
+    from helpers import flops, plan, profiles
 
     for name in ("PEAK_TFLOPS", "PEAK_BANDWIDTH_GB_S", "gpu_key", "peak_tflops", "peak_bandwidth_gb_s"):
-        assert getattr(flops, name) is getattr(gpus, name), name
-    assert profiles.capability is gpus.capability and profiles.amp_dtype is gpus.amp_dtype
-    assert measure.T4_MEMORY_GIB == gpus.T4_MEMORY_GIB
+        assert not hasattr(flops, name), name
+    assert not hasattr(profiles, "capability") and not hasattr(profiles, "amp_dtype")
     for name in ("GPU_MEMORY_GIB", "CONTEXT_RESERVE_GIB", "NO_BF16_GPUS"):
-        assert getattr(plan, name) is getattr(gpus, name), name
+        assert not hasattr(plan, name), name

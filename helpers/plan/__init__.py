@@ -24,8 +24,7 @@ Its modules, one job each; a module imports only modules listed above it (the te
 - ``__main__``  the command line
 
 Everything a chapter calls is importable from ``helpers.plan`` itself (``plan.predict``, ``plan.Setup``,
-...), as are the GPU facts the planner compares with (``GPU_MEMORY_GIB``, ``CONTEXT_RESERVE_GIB``,
-``NO_BF16_GPUS``, from ``helpers.gpus``). The function names ``predict`` and ``suggest`` are also the names
+...); the GPU facts it compares with live in ``helpers.gpus``. The function names ``predict`` and ``suggest`` are also the names
 of their modules: ``plan.predict`` is the function; the module is ``sys.modules["helpers.plan.predict"]``.
 """
 
@@ -33,8 +32,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-# The GPUs the command line and chapter 10 compare a plan with (their home is helpers.gpus).
-from helpers.gpus import CONTEXT_RESERVE_GIB, GPU_MEMORY_GIB, NO_BF16_GPUS
 from helpers.plan.check import VALIDATION_SETUPS, baselines, error_summary, error_table, measure
 from helpers.plan.predict import GIB, PHASES, Plan, predict
 from helpers.plan.setup import (
@@ -85,8 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 __all__ = [
-    "ACT_COEF_CPU", "ALIASES", "ATTENTIONS", "BNB_MIN_8BIT", "BNB_OPT_BLOCK", "COMPONENTS", "CONTEXT_RESERVE_GIB",
-    "DEFAULT_LORA_TARGETS", "DQ_BLOCK", "GIB", "GPU_MEMORY_GIB", "NF4_BLOCK", "NO_BF16_GPUS", "OPTIMIZERS", "PHASES",
+    "ACT_COEF_CPU", "ALIASES", "ATTENTIONS", "BNB_MIN_8BIT", "BNB_OPT_BLOCK", "COMPONENTS",
+    "DEFAULT_LORA_TARGETS", "DQ_BLOCK", "GIB", "NF4_BLOCK", "OPTIMIZERS", "PHASES",
     "PRECISIONS", "SOURCES", "VALIDATION_SETUPS", "Param", "Plan", "Setup", "Shape", "autocast_copy_bytes",
     "baselines", "error_summary", "error_table", "gradient_bytes", "kv_cache_bytes", "layer_activation_bytes",
     "lora_trainable_params", "main", "measure", "optimizer_state_bytes", "other_activation_bytes", "predict",

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from helpers import data, models, profiles
+from helpers import data, gpus, models, profiles
 from helpers.measure import MIB
 
 COUNTERS = {  # table label: key of torch.cuda.memory_stats()
@@ -52,7 +52,7 @@ def main() -> None:
 
     model = models.build(args.model, head="sequence-classification", dtype=torch.float32, device="cuda").train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    amp = profiles.amp_dtype()
+    amp = gpus.amp_dtype()
     lengths = np.random.default_rng(args.seed).integers(args.min_len, args.max_len + 1, size=args.steps)
     rows = []
     for i, seq_len in enumerate(lengths):
