@@ -13,7 +13,7 @@ def counted_release(monkeypatch):
     """Count the cleanups instead of running them: a full garbage collection per attempt is what made
     these search tests slow, and what the search does between attempts is pinned separately below."""
     calls = []
-    monkeypatch.setattr(batching, "release", lambda: calls.append(1))
+    monkeypatch.setattr(batching.cleanup, "collect", lambda: calls.append(1))
     return calls
 
 
@@ -57,7 +57,7 @@ def test_try_batch_frees_the_failed_steps_tensors_before_cleaning_up_and_reading
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
 
     alive_at = []
-    monkeypatch.setattr(batching, "release", lambda: alive_at.append(("release", refs[0]() is not None)))
+    monkeypatch.setattr(batching.cleanup, "collect", lambda: alive_at.append(("release", refs[0]() is not None)))
     batching.try_batch(step, 4, memory_mib=lambda: float(alive_at.append(("read", refs[0]() is not None)) or 0))
     assert alive_at == [("release", False), ("read", False)]
 
@@ -158,7 +158,6 @@ def test_short_error_falls_back_to_the_first_line():
 
 @pytest.mark.gpu
 def test_try_batch_gives_cuda_memory_back_after_a_real_out_of_memory(monkeypatch):
-    monkeypatch.setattr(batching, "release", batching.cleanup.collect)  # the real cleanup
     torch.ones(1, device="cuda")
     gc.collect()
     torch.cuda.empty_cache()
@@ -179,7 +178,6 @@ def test_try_batch_gives_cuda_memory_back_after_a_real_out_of_memory(monkeypatch
 def test_try_batch_empties_the_cache_only_after_the_failed_step_is_gone(monkeypatch):
     """Reserved memory after the attempt tells the orders apart: emptying the cache while the traceback
     still holds the step's 256 MiB would leave those blocks reserved."""
-    monkeypatch.setattr(batching, "release", batching.cleanup.collect)  # the real cleanup
     torch.ones(1, device="cuda")
     gc.collect()
     torch.cuda.empty_cache()
