@@ -55,11 +55,16 @@ def sha256(text: str | bytes) -> str:
 # Canonical text of an AST: stable across Python versions, blind to docstrings and comments.
 
 def canon(node) -> str:
-    """A version-stable serialisation of an AST: node type and its non-empty fields, positions left out."""
+    """A version-stable serialisation of an AST: node type and its non-empty fields, positions left out.
+
+    Keyword arguments are sorted by name (``**kwargs`` last, in their order).
+    """
     if isinstance(node, ast.AST):
         parts = []
         for name in node._fields:
             value = getattr(node, name, None)
+            if isinstance(node, ast.Call) and name == "keywords":  # f(a=1, b=2) is f(b=2, a=1)
+                value = sorted(value, key=lambda k: (k.arg is None, k.arg or ""))
             if value is None or (isinstance(value, list) and not value) or name in ("type_comment", "kind"):
                 continue
             parts.append(f"{name}={canon(value)}")
