@@ -100,9 +100,13 @@ gpu-run:
 # are ignored with their reason. Prints cells checked/ignored per chapter and the run time. Then the GPU
 # unit tests. CHAPTERS="notebooks/05_*.ipynb ..." checks only those chapters (one subset per GPU with
 # CUDA_VISIBLE_DEVICES spreads the ~31 GPU-minutes of a full check over several GPUs).
+# --restamp: a chapter whose every compared output reproduced gets a fresh execution stamp (the content
+# hashes of the sources this run executed, its GPU and date, "verified by scripts/gpu_check.py") in the
+# committed notebook's metadata, outputs untouched: commit the re-stamped notebooks. It refuses a tree
+# that differs from git HEAD; without git, pass the commit: GPUBOOK_COMMIT=SHA make gpu-test.
 CHAPTERS ?=
 gpu-test:
-	$(PYTHON) scripts/gpu_check.py $(CHAPTERS)
+	$(PYTHON) scripts/gpu_check.py --restamp $(CHAPTERS)
 	$(PYTHON) -m pytest -m gpu tests -q -p no:cacheprovider
 
 clean:

@@ -33,12 +33,14 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import os
 import re
 import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
 FORMAT = 2
 UNVERIFIED = "unverified"  # a hash the migration could not establish: always differs, so always reported
 DYNAMIC = {"globals", "eval", "exec", "__import__"}  # in a helpers module: its names looked up at run time
@@ -480,6 +482,37 @@ class Sources:
         found = {p.rsplit("/", 1)[1]: git_show(root, commit, p) for p in listing
                  if p.startswith(scripts + "/") and p.count("/") == scripts.count("/") + 1}
         return cls(helpers, found)
+
+
+def provenance(notebooks: list[Path], commit: str | None = None, root: Path = ROOT) -> tuple[str, list[str]]:
+    """(commit to record, what differs from it) for a run of ``notebooks`` from ``root``.
+
+    In a git checkout: HEAD, and the paths under helpers/, notebooks/scripts/ and the given notebooks that
+    differ from it (``git status``). Without git: ``commit`` or $GPUBOOK_COMMIT, else "unknown", and nothing.
+    A ``commit`` that is not HEAD in a checkout is reported as a difference.
+    """
+    try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=root, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        in_git = Path(top).resolve() == root.resolve()
+    except (OSError, subprocess.CalledProcessError):
+        in_git = False
+    if not in_git:
+        return commit or os.environ.get("GPUBOOK_COMMIT") or "unknown", []
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                          check=True).stdout.strip()
+    inside = []
+    for path in notebooks:
+        try:
+            inside.append(str(path.resolve().relative_to(root.resolve())))
+        except ValueError:
+            pass  # a notebook outside the checkout: only its helpers are checked
+    status = subprocess.run(["git", "status", "--porcelain", "--", "helpers", "notebooks/scripts", *inside],
+                            cwd=root, capture_output=True, text=True, check=True).stdout
+    dirty = [line[3:] for line in status.splitlines() if line.strip()]
+    if commit and not head.startswith(commit):
+        dirty.insert(0, f"--commit {commit} is not HEAD ({head[:10]})")
+    return head, dirty
 
 
 def git(root: Path, *args: str) -> str:
