@@ -154,6 +154,7 @@ class Module:
     key: str                      # "measure", "plan.__init__", "plan.core", "__init__"
     dotted: str                   # "helpers.measure", "helpers.plan", "helpers.plan.core", "helpers"
     is_package: bool
+    path: str = ""                # inside helpers/: "measure.py", "plan/__init__.py"
     units: dict[str, list[ast.stmt]] = field(default_factory=dict)
     body: list[ast.stmt] = field(default_factory=list)
     body_names: set[str] = field(default_factory=set)
@@ -191,7 +192,7 @@ class Package:
             parts = path[:-3].split("/")
             is_package = parts[-1] == "__init__"
             dotted = ".".join(["helpers", *(parts[:-1] if is_package else parts)])
-            module = Module(".".join(parts), dotted, is_package)
+            module = Module(".".join(parts), dotted, is_package, path)
             self._split(module, text)
             self.modules[module.key] = module
             self.by_dotted[dotted] = module
@@ -231,6 +232,11 @@ class Package:
             else:
                 for name in names:
                     module.units.setdefault(name, []).append(stmt)
+
+    def file_of(self, key: str) -> str:
+        """The file inside helpers/ that holds a unit or module key."""
+        module_key = key if key in self.modules else key.rsplit(".", 1)[0]
+        return self.modules[module_key].path
 
     # -- hashes -------------------------------------------------------------------------------------------------
     def unit_hash(self, key: str) -> str:
@@ -649,12 +655,12 @@ def migrate(path: Path, root: Path) -> str:
             cells[key] = UNVERIFIED
             roots += [c for c in now_cells if c[0] == key]  # today's text, only to find what it reaches
     fp = fingerprint(roots, then)
-    helpers = {key: (sha if f"{key.split('.')[0]}.py" in verified_files else UNVERIFIED)
+    helpers = {key: (sha if then.package.file_of(key) in verified_files else UNVERIFIED)
                for key, sha in fp["helpers"].items()}
     dirty = recorded != commit
     scripts = {name: (UNVERIFIED if dirty else sha) for name, sha in fp["scripts"].items()}
     n_cells = sum(v != UNVERIFIED for v in cells.values())
-    files_used = {f"{key.split('.')[0]}.py" for key in helpers}
+    files_used = {then.package.file_of(key) for key in helpers}
     record = {
         "stamp_format": FORMAT,
         "commit": recorded,
