@@ -102,11 +102,12 @@ gpu-run:
 # CUDA_VISIBLE_DEVICES spreads the ~31 GPU-minutes of a full check over several GPUs).
 # --restamp: a chapter whose every compared output reproduced gets a fresh execution stamp (the content
 # hashes of the sources this run executed, its GPU and date, "verified by scripts/gpu_check.py") in the
-# committed notebook's metadata, outputs untouched: commit the re-stamped notebooks. It refuses a tree
-# that differs from git HEAD; without git, pass the commit: GPUBOOK_COMMIT=SHA make gpu-test.
+# committed notebook's metadata, outputs untouched: commit the re-stamped notebooks (and book/status.md,
+# rewritten from them). It refuses a tree that differs from git HEAD; without git, name the commit:
+# GPUBOOK_COMMIT=SHA make gpu-test.
 CHAPTERS ?=
 gpu-test:
-	$(PYTHON) scripts/gpu_check.py --restamp $(CHAPTERS)
+	$(PYTHON) scripts/gpu_check.py --restamp $(CHAPTERS); status=$$?; $(PYTHON) scripts/status_page.py; exit $$status
 	$(PYTHON) -m pytest -m gpu tests -q -p no:cacheprovider
 
 clean:
