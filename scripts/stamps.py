@@ -21,6 +21,8 @@ of them, and the hygiene check (scripts/check_notebooks.py) compares them with t
   ``helpers/x/`` (``__init__.py`` keyed ``x.__init__``, submodules ``x.sub``) are both handled.
 - **Launched scripts**: a file of ``notebooks/scripts/`` whose name appears in a string of a code cell, hashed
   byte for byte (a chapter may show a script's source), and the helpers units it reaches.
+- **Data files** inside helpers/ (anything but ``.py``), byte for byte, keyed by path (``plan/gpus.json``), for
+  every chapter that imports their package.
 
 The AST is serialised by this module (node type and non-empty fields), not by ``ast.dump``, whose output
 changes between Python versions: a stamp written by the GPU machine's Python compares equal on CI's.
@@ -236,7 +238,8 @@ class Package:
     def file_of(self, key: str) -> str:
         """The file inside helpers/ that holds a unit or module key."""
         module_key = key if key in self.modules else key.rsplit(".", 1)[0]
-        return self.modules[module_key].path
+        module = self.modules.get(module_key)
+        return module.path if module is not None else key  # a data file's key is its path
 
     # -- hashes -------------------------------------------------------------------------------------------------
     def unit_hash(self, key: str) -> str:
@@ -448,9 +451,10 @@ class Reach:
         """``"helpers.x"`` (importlib) and, in a chapter or script, ``-m helpers.x`` (a subprocess): whole."""
         names = [text] if MODULE_STRING.match(text) else DASH_M.findall(text) if root else []
         for dotted in names:
-            module = self.import_module(dotted)
-            if module is not None and module.dotted == dotted:
-                self.everything(module)
+            for name in (dotted, f"{dotted}.__main__"):  # ``python -m package`` runs its __main__
+                module = self.import_module(name)
+                if module is not None:
+                    self.everything(module)
 
     def root(self, tree: ast.Module | None) -> None:
         """A chapter's cells (or a launched script) as one namespace whose helpers imports bind names."""
@@ -467,27 +471,33 @@ class Reach:
 class Sources:
     """helpers/ (recursively, .py files) and the launched scripts, from a folder or a git commit."""
 
-    def __init__(self, helpers: dict[str, str], scripts: dict[str, bytes]):
+    def __init__(self, helpers: dict[str, str], scripts: dict[str, bytes], data: dict[str, bytes] | None = None):
+        """``data``: helpers' other files (a table a module reads), by path inside helpers/."""
         self.helpers_files = helpers
         self.scripts = scripts
+        self.data = data or {}
         self.package = Package(helpers)
 
     @classmethod
     def from_dirs(cls, helpers: Path, scripts: Path | None) -> Sources:
-        files = {p.relative_to(helpers).as_posix(): p.read_text(encoding="utf-8")
-                 for p in sorted(helpers.rglob("*.py")) if "__pycache__" not in p.parts}
+        every = [p for p in sorted(helpers.rglob("*")) if p.is_file() and "__pycache__" not in p.parts
+                 and p.suffix != ".pyc"]
+        files = {p.relative_to(helpers).as_posix(): p.read_text(encoding="utf-8") for p in every if p.suffix == ".py"}
+        data = {p.relative_to(helpers).as_posix(): p.read_bytes() for p in every if p.suffix != ".py"}
         found = ({p.name: p.read_bytes() for p in sorted(scripts.iterdir()) if p.is_file()}
                  if scripts is not None and scripts.is_dir() else {})
-        return cls(files, found)
+        return cls(files, found, data)
 
     @classmethod
     def from_git(cls, root: Path, commit: str, scripts: str = "notebooks/scripts") -> Sources:
         listing = git(root, "ls-tree", "-r", "--name-only", commit, "--", "helpers", scripts).splitlines()
         helpers = {p[len("helpers/"):]: git_show(root, commit, p).decode("utf-8")
                    for p in listing if p.startswith("helpers/") and p.endswith(".py")}
+        data = {p[len("helpers/"):]: git_show(root, commit, p)
+                for p in listing if p.startswith("helpers/") and not p.endswith(".py")}
         found = {p.rsplit("/", 1)[1]: git_show(root, commit, p) for p in listing
                  if p.startswith(scripts + "/") and p.count("/") == scripts.count("/") + 1}
-        return cls(helpers, found)
+        return cls(helpers, found, data)
 
 
 def provenance(notebooks: list[Path], commit: str | None = None, root: Path = ROOT) -> tuple[str, list[str]]:
@@ -568,9 +578,14 @@ def fingerprint(cells: list[tuple[str, str]], sources: Sources) -> dict:
             if other not in seen:
                 seen.add(other)
                 todo.append(other)
+    helpers = {key: sources.package.unit_hash(key) for key in reach.reached}
+    for path, content in sources.data.items():  # a data file counts where its package is imported
+        package = ".".join([*path.split("/")[:-1], "__init__"])
+        if package in reach.reached:
+            helpers[path] = sha256(content)
     return {
         "cells": {key: cell_hash(source) for key, source in cells},
-        "helpers": {key: sources.package.unit_hash(key) for key in sorted(reach.reached)},
+        "helpers": dict(sorted(helpers.items())),
         "scripts": {name: sha256(sources.scripts[name]) for name in sorted(seen)},
     }
 

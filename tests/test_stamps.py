@@ -211,6 +211,21 @@ def test_local_imports_bare_module_use_and_import_side_effects_are_followed():
     assert "d" in reach.reached and "b" in reach.reached  # importing runs top-level code, its imports' too
 
 
+def test_a_data_file_counts_where_its_package_is_imported_and_dash_m_runs_main(repo):
+    (repo / "helpers" / "plan" / "gpus.json").write_text('{"T4": 15}')
+    (repo / "helpers" / "lonely_data").mkdir()
+    (repo / "helpers" / "lonely_data" / "x.csv").write_text("a,b\n")
+    stamp_as_executed(repo)
+    (repo / "helpers" / "lonely_data" / "x.csv").write_text("a,c\n")  # no chapter imports that package
+    assert problems(repo) == []
+    (repo / "helpers" / "plan" / "gpus.json").write_text('{"T4": 14.75}')
+    assert any("helpers plan/gpus.json changed" in p for p in problems(repo))
+    package = stamps.Package({"__init__.py": "", "cli/__init__.py": "", "cli/__main__.py": "def main():\n    pass\n"})
+    reach = stamps.Reach(package)
+    reach.root(stamps.parse_cell('subprocess.run(f"{sys.executable} -m helpers.cli --x 1", shell=True)'))
+    assert "cli.__main__.main" in reach.reached
+
+
 def test_the_serialisation_ignores_what_python_versions_add():
     import ast
 
