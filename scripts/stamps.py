@@ -291,6 +291,7 @@ class Reach:
     def __init__(self, package: Package):
         self.package = package
         self.reached: set[str] = set()
+        self._pending: list[tuple[list[ast.AST], Module | None]] = []
 
     def import_module(self, dotted: str) -> Module | None:
         """Import a helpers module: its parents' and its own top-level code run (and what they import)."""
@@ -411,9 +412,15 @@ class Reach:
         return target
 
     def _visit(self, statements: list[ast.AST], module: Module | None) -> None:
-        bindings = self._bindings(statements, module)
-        for stmt in statements:
-            self._refs(stmt, module, bindings)
+        """Queue code to read (a worklist, not recursion: a long call chain cannot exhaust the stack)."""
+        self._pending.append((statements, module))
+
+    def _drain(self) -> None:
+        while self._pending:
+            statements, module = self._pending.pop()
+            bindings = self._bindings(statements, module)
+            for stmt in statements:
+                self._refs(stmt, module, bindings)
 
     def _refs(self, node: ast.AST, module: Module | None, bindings: dict) -> None:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -461,8 +468,9 @@ class Reach:
         if tree is None:  # code this analysis cannot read: everything it could use counts
             for module in list(self.package.modules.values()):
                 self.everything(module)
-            return
-        self._visit([tree], None)
+        else:
+            self._visit([tree], None)
+        self._drain()
 
 
 # ---------------------------------------------------------------------------------------------------------------

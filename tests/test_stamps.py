@@ -226,6 +226,13 @@ def test_a_data_file_counts_where_its_package_is_imported_and_dash_m_runs_main(r
     assert "cli.__main__.main" in reach.reached
 
 
+def test_a_long_call_chain_does_not_exhaust_the_stack():
+    chain = "".join(f"def f{i}():\n    return f{i + 1}()\n\n\n" for i in range(3000)) + "def f3000():\n    return 0\n"
+    reach = stamps.Reach(stamps.Package({"__init__.py": "", "deep.py": chain}))
+    reach.root(stamps.parse_cell("from helpers import deep\ndeep.f0()"))
+    assert "deep.f3000" in reach.reached
+
+
 def test_the_serialisation_ignores_what_python_versions_add():
     import ast
 
