@@ -103,8 +103,8 @@ gpu-run:
 # --restamp: a chapter whose every compared output reproduced gets a fresh execution stamp (the content
 # hashes of the sources this run executed, its GPU and date, "verified by scripts/gpu_check.py") in the
 # committed notebook's metadata, outputs untouched: commit the re-stamped notebooks (and book/status.md,
-# rewritten from them). It refuses a tree that differs from git HEAD; without git, name the commit:
-# GPUBOOK_COMMIT=SHA make gpu-test.
+# rewritten from them). From a tree that differs from git HEAD it compares but does not re-stamp; without
+# git, name the commit: GPUBOOK_COMMIT=SHA make gpu-test.
 CHAPTERS ?=
 gpu-test:
 	$(PYTHON) scripts/gpu_check.py --restamp $(CHAPTERS); status=$$?; $(PYTHON) scripts/status_page.py; exit $$status

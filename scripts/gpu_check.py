@@ -30,8 +30,8 @@ execution stamp in the committed notebook's metadata (the content hashes of the 
 taken before it and unchanged after it; date, GPU, ``verified_by``; the earlier stamp's date, GPU and commit
 under ``outputs_from``). Its outputs are not touched: they are the committed run's, now vouched for by this
 one, so edits that changed no compared output (a refactor, a tiny-profile value) stop being stale without a
-stale_ok.json entry. Like scripts/execute_notebooks.py it refuses to run from sources that differ from git
-HEAD, and without git records ``--commit SHA`` or $GPUBOOK_COMMIT.
+stale_ok.json entry. It does not re-stamp from sources that differ from git HEAD (it still compares), and
+without git it records ``--commit SHA`` or $GPUBOOK_COMMIT (else "unknown", with a warning).
 """
 
 from __future__ import annotations
@@ -216,13 +216,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.restamp:
             commit, dirty = stamps.provenance([NOTEBOOKS / c["file"] for c in chapters], args.commit, ROOT)
             if dirty:
-                print("--restamp refuses sources that are not in git (commit them first):\n  "
-                      + "\n  ".join(dirty[:20]), file=sys.stderr)
-                return 2
-            if commit == "unknown":
+                print("not re-stamping: these sources differ from git HEAD (commit them first; the outputs are "
+                      "still compared):\n  " + "\n  ".join(dirty[:20]), file=sys.stderr, flush=True)
+                args.restamp = False
+            elif commit == "unknown":
                 print("warning: no git here and no --commit SHA (or GPUBOOK_COMMIT): re-stamps record commit "
                       "'unknown'", file=sys.stderr, flush=True)
-            gpu_name = torch.cuda.get_device_name(0)
+            gpu_name = torch.cuda.get_device_name(0) if args.restamp else None
         os.environ["GPUBOOK_PROFILE"] = "full"
         if os.environ.pop("MPLBACKEND", None):  # a non-inline backend drops every figure from the outputs
             print("MPLBACKEND unset for the kernels (a non-inline backend drops every figure)", flush=True)

@@ -5,6 +5,7 @@ import importlib.util
 from pathlib import Path
 
 import nbformat
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
@@ -175,3 +176,19 @@ def test_restamp_after_a_reproduced_run_refreshes_the_stamp_and_nothing_else(tmp
 
 def test_restamp_is_refused_without_a_run_that_executes():
     assert gpu_check.main(["--restamp", "--plan"]) == 2
+
+
+def test_a_dirty_tree_is_compared_but_not_restamped(tmp_path, monkeypatch, capsys):
+    import json
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(gpu_check.stamps, "provenance", lambda paths, commit, root: ("abc", ["helpers/plan.py"]))
+    monkeypatch.setattr(gpu_check, "execute", lambda path, out_dir, timeout_s: json.loads(path.read_text()))
+    monkeypatch.setattr(gpu_check, "restamp", lambda *a: pytest.fail("must not re-stamp"))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    assert gpu_check.main(["--restamp", "01_memory_anatomy.ipynb"]) == 0
+    captured = capsys.readouterr()
+    assert "not re-stamping" in captured.err and "01_memory_anatomy.ipynb: ok" in captured.out
