@@ -86,6 +86,9 @@ def test_the_full_profile_is_refused_without_a_gpu(tmp_path, monkeypatch, capsys
 def test_a_chapter_needing_more_gpus_than_the_machine_has_is_skipped(tmp_path, monkeypatch, capsys):
     chapters = tmp_path / "chapters.json"
     chapters.write_text(json.dumps({"chapters": [{"file": "01_a.ipynb", "gpus": 1}, {"file": "07_b.ipynb", "gpus": 2}]}))
+    for name in ("GPUBOOK_PROFILE", "PYTHONPATH", "MPLBACKEND"):  # main() sets them: restored after the test
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+    monkeypatch.setattr(execute_notebooks, "provenance", lambda paths, commit, root: ("abc", []))
     ran = []
     monkeypatch.setattr(execute_notebooks, "gpus", lambda: (1, "NVIDIA H100 80GB HBM3"))
     monkeypatch.setattr(execute_notebooks, "chapter_order", lambda: execute_notebooks.json.loads(chapters.read_text())["chapters"])
@@ -132,6 +135,8 @@ def test_a_failed_run_leaves_the_notebook_untouched_and_a_good_one_is_stamped_an
 
 def test_a_full_run_from_a_dirty_tree_is_refused(tmp_path, monkeypatch, capsys):
     path = tiny_notebook(tmp_path / "01_probe.ipynb", "print(1)")
+    for name in ("GPUBOOK_PROFILE", "PYTHONPATH", "MPLBACKEND"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))
     monkeypatch.setattr(execute_notebooks, "gpus", lambda: (1, "NVIDIA H100 80GB HBM3"))
     monkeypatch.setattr(execute_notebooks, "provenance", lambda paths, commit, root: ("abc", ["helpers/measure.py"]))
     monkeypatch.setattr(execute_notebooks, "execute", lambda *a, **k: pytest.fail("must not execute"))

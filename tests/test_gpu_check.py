@@ -2,6 +2,7 @@
 
 import copy
 import importlib.util
+import os
 from pathlib import Path
 
 import nbformat
@@ -153,6 +154,8 @@ def test_restamp_after_a_reproduced_run_refreshes_the_stamp_and_nothing_else(tmp
         return nb
 
     monkeypatch.setattr(gpu_check, "execute", execute)
+    for name in ("GPUBOOK_PROFILE", "PYTHONPATH"):  # main() sets them: restored after the test
+        monkeypatch.setenv(name, os.environ.get(name, ""))
     monkeypatch.setenv("MPLBACKEND", "Agg")
     assert gpu_check.main(["--restamp", one.name, two.name]) == 1  # chapter 2's mismatch fails the check
     out = capsys.readouterr().out
@@ -188,6 +191,8 @@ def test_a_dirty_tree_is_compared_but_not_restamped(tmp_path, monkeypatch, capsy
     monkeypatch.setattr(gpu_check.stamps, "provenance", lambda paths, commit, root: ("abc", ["helpers/plan.py"]))
     monkeypatch.setattr(gpu_check, "execute", lambda path, out_dir, timeout_s: json.loads(path.read_text()))
     monkeypatch.setattr(gpu_check, "restamp", lambda *a: pytest.fail("must not re-stamp"))
+    for name in ("GPUBOOK_PROFILE", "PYTHONPATH"):  # main() sets them: restored after the test
+        monkeypatch.setenv(name, os.environ.get(name, ""))
     monkeypatch.setenv("MPLBACKEND", "Agg")
     assert gpu_check.main(["--restamp", "01_memory_anatomy.ipynb"]) == 0
     captured = capsys.readouterr()
