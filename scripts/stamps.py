@@ -21,6 +21,8 @@ of them, and the hygiene check (scripts/check_notebooks.py) compares them with t
   ``helpers/x/`` (``__init__.py`` keyed ``x.__init__``, submodules ``x.sub``) are both handled.
 - **Launched scripts**: a file of ``notebooks/scripts/`` whose name appears in a string of a code cell, hashed
   byte for byte (a chapter may show a script's source), and the helpers units it reaches.
+- **Shown helpers**: a unit or module a chapter passes to ``inspect.getsource``/``getdoc``/``help`` or
+  reads ``__doc__`` of, also as written (key ``module.name#source``): its docstring is then an output.
 - **Data files** inside helpers/ (anything but ``.py``), byte for byte, keyed by path (``plan/gpus.json``), for
   every chapter that imports their package.
 
@@ -46,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FORMAT = 2
 UNVERIFIED = "unverified"  # a hash the migration could not establish: always differs, so always reported
 DYNAMIC = {"globals", "eval", "exec", "__import__"}  # in a helpers module: its names looked up at run time
+SHOWN = {"getsource", "getsourcelines", "getdoc", "getcomments", "help"}  # they show a unit's text
 MAGIC = re.compile(r"^(\s*)([%!].*)$")
 MODULE_STRING = re.compile(r"^helpers(?:\.\w+)+$")
 DASH_M = re.compile(r"-m\s+(helpers(?:\.\w+)*)")
@@ -162,6 +165,7 @@ class Module:
     body_names: set[str] = field(default_factory=set)
     body_imports: dict[str, tuple] = field(default_factory=dict)  # name bound by an import inside try/if
     parsed: bool = True
+    text: str = ""                # the source as written (for a unit the chapter shows: inspect.getsource)
 
 
 def _bound_names(stmt: ast.stmt) -> list[str] | None:
@@ -201,8 +205,9 @@ class Package:
         self._hashes: dict[str, str] = {}
 
     def _split(self, module: Module, text: str) -> None:
+        module.text = text
         try:
-            tree = _StripDocstrings(module_level=True).visit(ast.parse(text))
+            tree = _FullProfile().visit(_StripDocstrings(module_level=True).visit(ast.parse(text)))
         except SyntaxError:
             module.parsed = False
             module.body = [ast.Expr(ast.Constant(text))]
@@ -242,6 +247,22 @@ class Package:
         return module.path if module is not None else key  # a data file's key is its path
 
     # -- hashes -------------------------------------------------------------------------------------------------
+    def source_hash(self, key: str) -> str:
+        """sha256 of a unit's or module's source as written, docstrings and comments included."""
+        if key in self.modules:
+            return sha256(self.modules[key].text)
+        module_key, name = key.rsplit(".", 1)
+        module = self.modules[module_key]
+        lines = module.text.splitlines()
+        spans = []
+        for stmt in module.units[name]:  # whole lines, decorators included, as inspect.getsource shows them
+            if getattr(stmt, "end_lineno", None) is None:  # one name of an import statement
+                spans.append(canon(stmt))
+                continue
+            first = min([stmt.lineno, *(d.lineno for d in getattr(stmt, "decorator_list", []))])
+            spans.append("\n".join(lines[first - 1:stmt.end_lineno]))
+        return sha256("\n".join(spans))
+
     def unit_hash(self, key: str) -> str:
         """sha256 of a unit (``module.name``) or of a module's other top-level code (``module``)."""
         if key not in self._hashes:
@@ -291,6 +312,7 @@ class Reach:
     def __init__(self, package: Package):
         self.package = package
         self.reached: set[str] = set()
+        self.shown: set[str] = set()  # units or modules whose source text a chapter shows (getsource, __doc__)
         self._pending: list[tuple[list[ast.AST], Module | None]] = []
 
     def import_module(self, dotted: str) -> Module | None:
@@ -422,25 +444,43 @@ class Reach:
             for stmt in statements:
                 self._refs(stmt, module, bindings)
 
+    def _target(self, node: ast.AST, module: Module | None, bindings: dict, whole: bool = True):
+        """What a name or attribute chain names in helpers (reached on the way); ``whole``: a module named
+        as a value counts whole."""
+        chain, base = [], node
+        while isinstance(base, ast.Attribute):
+            chain.append(base.attr)
+            base = base.value
+        if not isinstance(base, ast.Name):
+            self._refs(base, module, bindings)
+            return None
+        target = self.resolve(base.id, module, bindings)
+        for attr in reversed(chain):
+            if target is not None and target[0] == "unit" and attr == "__doc__":
+                self.shown.add(f"{target[1].key}.{target[2]}")
+            if target is None or target[0] != "mod":
+                return None
+            if attr == "__doc__":
+                self.shown.add(target[1].key)
+            target = self.attribute(target, attr)
+        if whole and target is not None and target[0] == "mod":
+            self.everything(target[1])
+        return target
+
     def _refs(self, node: ast.AST, module: Module | None, bindings: dict) -> None:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             self._import_side_effects(node, module)
             return
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], (ast.Name, ast.Attribute)) and (
+                getattr(node.func, "id", None) in SHOWN or getattr(node.func, "attr", None) in SHOWN):
+            target = self._target(node.args[0], module, bindings)  # inspect.getsource(x), help(x): x's text
+            if target is not None:
+                self.shown.add(target[1].key if target[0] == "mod" else f"{target[1].key}.{target[2]}")
+            for child in [node.func, *node.args[1:], *node.keywords]:
+                self._refs(child, module, bindings)
+            return
         if isinstance(node, ast.Attribute):
-            chain, base = [], node
-            while isinstance(base, ast.Attribute):
-                chain.append(base.attr)
-                base = base.value
-            if not isinstance(base, ast.Name):
-                self._refs(base, module, bindings)
-                return
-            target = self.resolve(base.id, module, bindings)
-            for attr in reversed(chain):
-                if target is None or target[0] != "mod":
-                    return
-                target = self.attribute(target, attr)
-            if target is not None and target[0] == "mod":
-                self.everything(target[1])
+            self._target(node, module, bindings)
             return
         if isinstance(node, ast.Name):
             if isinstance(node.ctx, ast.Load):
@@ -587,6 +627,7 @@ def fingerprint(cells: list[tuple[str, str]], sources: Sources) -> dict:
                 seen.add(other)
                 todo.append(other)
     helpers = {key: sources.package.unit_hash(key) for key in reach.reached}
+    helpers.update({f"{key}#source": sources.package.source_hash(key) for key in reach.shown})
     for path, content in sources.data.items():  # a data file counts where its package is imported
         package = ".".join([*path.split("/")[:-1], "__init__"])
         if package in reach.reached:

@@ -226,6 +226,24 @@ def test_a_data_file_counts_where_its_package_is_imported_and_dash_m_runs_main(r
     assert "cli.__main__.main" in reach.reached
 
 
+def test_a_helper_whose_source_the_chapter_shows_is_stale_on_a_docstring_edit(repo):
+    path = repo / "notebooks" / "01_test.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    shown = nbformat.v4.new_code_cell("import inspect\nprint(inspect.getsource(measure.peak))\nhelp(timing)")
+    shown.id = "c06"
+    nb.cells.append(shown)
+    nbformat.write(nb, path)
+    stamp_as_executed(repo)
+    edit_helper(repo, "measure.py", "# in MiB", "# MiB")  # a comment of a shown function: in the output
+    assert any("helpers measure.peak#source changed" in p for p in problems(repo))
+    stamp_as_executed(repo)
+    edit_helper(repo, "timing.py", '"""Timers."""', '"""Timers, honest ones."""')  # help(module) shows it
+    assert any("helpers timing#source changed" in p for p in problems(repo))
+    stamp_as_executed(repo)
+    edit_helper(repo, "plan/core.py", '"""Predictions."""', '"""Predictions!"""')  # not shown: no change
+    assert problems(repo) == []
+
+
 def test_a_long_call_chain_does_not_exhaust_the_stack():
     chain = "".join(f"def f{i}():\n    return f{i + 1}()\n\n\n" for i in range(3000)) + "def f3000():\n    return 0\n"
     reach = stamps.Reach(stamps.Package({"__init__.py": "", "deep.py": chain}))
