@@ -100,9 +100,14 @@ gpu-run:
 # are ignored with their reason. Prints cells checked/ignored per chapter and the run time. Then the GPU
 # unit tests. CHAPTERS="notebooks/05_*.ipynb ..." checks only those chapters (one subset per GPU with
 # CUDA_VISIBLE_DEVICES spreads the ~31 GPU-minutes of a full check over several GPUs).
+# --restamp: a chapter whose every compared output reproduced gets a fresh execution stamp (the content
+# hashes of the sources this run executed, its GPU and date, "verified by scripts/gpu_check.py") in the
+# committed notebook's metadata, outputs untouched: commit the re-stamped notebooks (and book/status.md,
+# rewritten from them). From a tree that differs from git HEAD it compares but does not re-stamp; without
+# git, name the commit: GPUBOOK_COMMIT=SHA make gpu-test.
 CHAPTERS ?=
 gpu-test:
-	$(PYTHON) scripts/gpu_check.py $(CHAPTERS)
+	$(PYTHON) scripts/gpu_check.py --restamp $(CHAPTERS); status=$$?; $(PYTHON) scripts/status_page.py; exit $$status
 	$(PYTHON) -m pytest -m gpu tests -q -p no:cacheprovider
 
 clean:

@@ -8,20 +8,27 @@ environment report) names an NVIDIA GPU and the full profile. nbval markers must
 (``# NBVAL_CHECK_OUTPUT`` alone on its line), or nbval silently ignores them.
 
 Stale outputs. scripts/execute_notebooks.py stamps each notebook it executes (metadata
-``gpubook.execution``: git commit, sha256 of each ``helpers/*.py`` and of each code cell, GPU, torch,
-date, wall time). A stamped notebook fails this check when a code cell or a helpers file changed since
-that run, unless ``notebooks/stale_ok.json`` vouches for exactly that change (a docstring, a comment:
-something that cannot change an output), with a reason::
+``gpubook.execution``: content hashes of what its outputs depend on, plus commit, GPU, torch, date, wall
+time; scripts/stamps.py says what is hashed): each code cell by cell id, in its full-profile projection
+(``prof.pick(tiny=a, full=b)`` read as ``b``; comments and docstrings left out), and each ``helpers``
+function, class or top-level name the chapter reaches (statically, transitively), as its docstring-free
+AST. A stamped notebook fails this check when one of those changed since the run, or a code cell was added
+or removed; moving a cell, a tiny-only value, a docstring, a comment, a new helper function or module, or
+an edit to a helper the chapter never reaches change nothing. ``scripts/gpu_check.py --restamp`` re-stamps a
+chapter whose re-execution reproduced every compared output. ``notebooks/stale_ok.json`` may vouch for a
+change that cannot change an output, with a reason (the check prints the entry to paste)::
 
-    {"require_stamp": ["09_fast_path.ipynb"],
-     "allow": {"01_memory_anatomy.ipynb": [
-                 {"cell": 4, "sha256": "<the cell's new sha256>", "reason": "comment reworded"}],
-               "*": [{"helpers": "measure.py", "sha256": "<the file's new sha256>", "reason": "docstring"}]}}
+    {"require_stamp": ["*"],
+     "allow": {"04_gradient_checkpointing.ipynb": [
+                 {"cell_id": "c65", "sha256": "<the cell's new sha256>", "reason": "..."}],
+               "*": [{"helpers": "cleanup.back_at_baseline", "sha256": "<its new sha256>", "reason": "..."}]}}
 
-An allowance names the new content's sha256 (the check prints it), so a later edit is not covered by
-it; ``"*"`` applies to every notebook. A notebook without a stamp (executed before stamping existed)
-is reported as such and passes, unless it is listed in ``require_stamp`` (``"*"`` there: every
-notebook must carry a stamp, as every chapter does since chapter 8's first stamped run).
+An allowance names the new content's sha256, so a later edit is not covered by it; ``"*"`` applies to every
+notebook; an allowance that covers nothing in any notebook is reported, to be removed. A notebook without a
+stamp is reported as such and passes, unless ``require_stamp`` lists it (``"*"``: every notebook). A stamp in
+the old format (a hash per helpers file and per cell position) is reported: convert it with
+``python scripts/check_notebooks.py --migrate-stamps notebooks`` (hashes recomputed from the sources at the
+stamp's commit) or re-execute.
 
 Raw MyST roles. Jupyter and Colab show a role such as ``{glue:text}`x``` literally, so a chapter's
 markdown should carry none (sentences with run numbers are rendered by code cells). Chapters written
@@ -29,17 +36,20 @@ before that rule may keep at most the number of roles that ``notebooks/raw_roles
 (a ratchet: the count may fall, never rise; a notebook not listed may have none).
 
 Usage: python scripts/check_notebooks.py notebooks [more paths]   (exit 1 on any problem)
+       python scripts/check_notebooks.py --migrate-stamps notebooks   (old-format stamps -> content hashes)
 Only the standard library is used, so this runs on any Python.
 """
 
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import re
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import stamps  # noqa: E402  (the content hashes of a chapter)
 
 MAX_NOTEBOOK_BYTES = 2_000_000
 MAX_IMAGE_BYTES = 300_000
@@ -66,23 +76,18 @@ def raw_roles_allowed(folder: Path) -> dict[str, int]:
 
 
 def sha256(text: str | bytes) -> str:
-    return hashlib.sha256(text.encode("utf-8") if isinstance(text, str) else text).hexdigest()
+    return stamps.sha256(text)
 
 
-def code_sources(nb: dict) -> list[str]:
-    return ["".join(c.get("source", "")) for c in nb.get("cells", []) if c.get("cell_type") == "code"]
+_SOURCES: dict[tuple[Path, Path], stamps.Sources] = {}
 
 
-def code_fingerprint(nb: dict) -> dict:
-    """sha256 of the notebook's code-cell sources: one per cell and one for all of them."""
-    cells = [sha256(source) for source in code_sources(nb)]
-    return {"code_sha256": sha256("\n".join(cells)), "code_cells_sha256": cells}
-
-
-def helpers_fingerprint(helpers: Path = HELPERS) -> dict:
-    """sha256 of each helpers/*.py and helpers/*/*.py (by path under helpers/) and of all of them together."""
-    files = {p.relative_to(helpers).as_posix(): sha256(p.read_bytes()) for p in sorted(helpers.rglob("*.py"))}
-    return {"helpers_sha256": sha256("\n".join(f"{k} {v}" for k, v in files.items())), "helpers_files_sha256": files}
+def sources(helpers: Path, scripts: Path) -> stamps.Sources:
+    """Today's helpers and launched scripts, read and parsed once per process."""
+    key = (helpers.resolve(), scripts.resolve())
+    if key not in _SOURCES:
+        _SOURCES[key] = stamps.Sources.from_dirs(helpers, scripts)
+    return _SOURCES[key]
 
 
 def load_allowances(folder: Path) -> dict:
@@ -91,8 +96,25 @@ def load_allowances(folder: Path) -> dict:
     return {"require_stamp": data.get("require_stamp", []), "allow": data.get("allow", {})}
 
 
-def stamp_status(path: Path, nb: dict, helpers: Path = HELPERS, allowances: dict | None = None) -> tuple[list[str], str]:
-    """(problems, one-line note) for the notebook's execution stamp against today's code and helpers."""
+def allowance_key(entry: dict) -> tuple | None:
+    """(kind, key, sha256) of an allowance, None for one this version does not read (old positional form)."""
+    for kind, name in (("cell", "cell_id"), ("helpers", "helpers"), ("script", "script")):
+        if name in entry:
+            return kind, entry[name], entry.get("sha256")
+    return None
+
+
+def _entry(kind: str, key: str, sha: str) -> str:
+    name = {"cell": "cell_id", "helpers": "helpers", "script": "script"}[kind]
+    return f'{{"{name}": "{key}", "sha256": "{sha}", "reason": "..."}}'
+
+
+def stamp_status(path: Path, nb: dict, helpers: Path = HELPERS, allowances: dict | None = None,
+                 used: set | None = None) -> tuple[list[str], str]:
+    """(problems, one-line note) for the notebook's execution stamp against today's code and helpers.
+
+    ``used`` collects (notebook or "*", index) of the allowances that covered a change.
+    """
     allowances = load_allowances(path.parent) if allowances is None else allowances
     stamp = nb.get("metadata", {}).get("gpubook", {}).get("execution")
     if not stamp:
@@ -100,40 +122,56 @@ def stamp_status(path: Path, nb: dict, helpers: Path = HELPERS, allowances: dict
             return [f"no execution stamp, but {ALLOWANCES} requires one (execute it with "
                     "scripts/execute_notebooks.py)"], "not stamped"
         return [], "not stamped (executed before stamping)"
-    allowed = [a for a in allowances["allow"].get("*", []) + allowances["allow"].get(path.name, [])
-               if a.get("reason")]
-    ok_cells = {(a.get("cell"), a.get("sha256")) for a in allowed if "cell" in a}
-    ok_files = {(a.get("helpers"), a.get("sha256")) for a in allowed if "helpers" in a}
-    problems, covered = [], 0
-    now_cells = code_fingerprint(nb)["code_cells_sha256"]
-    then_cells = stamp.get("code_cells_sha256", [])
-    if len(now_cells) != len(then_cells):
-        problems.append(f"stale outputs: {len(now_cells)} code cells now, {len(then_cells)} when executed "
-                        f"({stamp.get('date', '?')}); re-execute it")
-    else:
-        for i, (now, then) in enumerate(zip(now_cells, then_cells, strict=True), start=1):
-            if now != then:
-                if (i, now) in ok_cells:
-                    covered += 1
-                else:
-                    problems.append(f"stale outputs: code cell {i} changed since it was executed; re-execute, or "
-                                    f"if no output can change, allow it in {ALLOWANCES}: "
-                                    f'{{"cell": {i}, "sha256": "{now}", "reason": "..."}}')
-    now_files = helpers_fingerprint(helpers)["helpers_files_sha256"]
-    then_files = stamp.get("helpers_files_sha256", {})
-    for name in sorted(set(now_files) | set(then_files)):
-        now = now_files.get(name)
-        if now != then_files.get(name):
-            if (name, now) in ok_files:
-                covered += 1
-            else:
-                what = "added" if name not in then_files else "removed" if now is None else "changed"
-                problems.append(f"stale outputs: helpers/{name} {what} since the notebook was executed; "
-                                f"re-execute, or if no output can change, allow it in {ALLOWANCES}: "
-                                f'{{"helpers": "{name}", "sha256": "{now}", "reason": "..."}}')
     note = (f"stamped: {stamp.get('gpu', '?')}, {stamp.get('date', '?')}, commit {str(stamp.get('commit', '?'))[:10]}"
-            + (f", {covered} change(s) allowed by {ALLOWANCES}" if covered else ""))
+            + (f", verified by {stamp['verified_by']}" if stamp.get("verified_by") else ""))
+    if not stamps.is_current(stamp):
+        return [f"stale outputs: the execution stamp is in the old format (hashes per helpers file and per cell "
+                f"position): python scripts/check_notebooks.py --migrate-stamps {path.parent}, or re-execute"], note
+    allowed = {}
+    for scope in (path.name, "*"):
+        for i, entry in enumerate(allowances["allow"].get(scope, [])):
+            key = allowance_key(entry)
+            if key is not None and str(entry.get("reason", "")).strip():
+                allowed.setdefault(key, (scope, i))
+    now = stamps.fingerprint(stamps.code_cells(nb), sources(helpers, path.parent / "scripts"))
+    problems, covered = [], 0
+    unverified: dict[str, int] = {}
+    for kind, key, what, sha in stamps.differences(stamp, now):
+        if kind == "helpers" and stamp["helpers"].get(key) == stamps.UNVERIFIED:
+            module = key.split(".")[0]
+            unverified[module] = unverified.get(module, 0) + 1
+            continue
+        if (kind, key, sha) in allowed:
+            covered += 1
+            if used is not None:
+                used.add(allowed[(kind, key, sha)])
+            continue
+        thing = {"cell": f"code cell {key}", "helpers": f"helpers {key}", "script": f"scripts/{key}"}[kind]
+        problems.append(f"stale outputs: {thing} {what} since the notebook was executed "
+                        f"({stamp.get('date', '?')}); re-execute, or if no output can change, allow it in "
+                        f"{ALLOWANCES}: {_entry(kind, key, sha)}")
+    problems += [f"stale outputs: helpers/{module}.py: the sources the chapter ran with are not in git (its stamp's "
+                 f"commit has another version), so {n} unit(s) it uses cannot be compared: re-execute it"
+                 for module, n in sorted(unverified.items())]
+    if covered:
+        note += f", {covered} change(s) allowed by {ALLOWANCES}"
     return problems, note
+
+
+def unused_allowances(folder: Path, used: set, names: set[str]) -> list[str]:
+    """The allowances of the checked notebooks (and "*" when every chapter was checked) that covered nothing."""
+    data = load_allowances(folder)["allow"]
+    every = {p.name for p in folder.glob("[0-9][0-9]_*.ipynb")} <= names
+    problems = []
+    for scope, entries in data.items():
+        if scope.startswith("_") or not (scope in names or (scope == "*" and every)):
+            continue
+        for i, entry in enumerate(entries):
+            if (scope, i) not in used:
+                what = {k: entry[k] for k in ("cell_id", "helpers", "script", "cell") if k in entry}
+                problems.append(f"the allowance {json.dumps(what)} for {scope} covers no change "
+                                f"any more: remove it")
+    return problems
 
 
 def _text_of(output: dict) -> str:
@@ -152,7 +190,8 @@ def check(path: Path, helpers: Path = HELPERS, allowances: dict | None = None) -
     return check_with_note(path, helpers, allowances)[0]
 
 
-def check_with_note(path: Path, helpers: Path = HELPERS, allowances: dict | None = None) -> tuple[list[str], str]:
+def check_with_note(path: Path, helpers: Path = HELPERS, allowances: dict | None = None,
+                    used: set | None = None) -> tuple[list[str], str]:
     """The hygiene problems of one notebook and a note on its execution stamp."""
     problems: list[str] = []
     size = path.stat().st_size
@@ -196,13 +235,15 @@ def check_with_note(path: Path, helpers: Path = HELPERS, allowances: dict | None
     if roles > allowed:
         problems.append(f"{roles} raw MyST roles in markdown (allowed: {allowed}); Jupyter and Colab show them "
                         f"literally: render sentences with run numbers from a code cell instead")
-    stale, note = stamp_status(path, nb, helpers, allowances)
+    stale, note = stamp_status(path, nb, helpers, allowances, used)
     if roles and roles < allowed:
         note += f"; {roles} raw MyST roles, fewer than the {allowed} allowed: lower the allowance in {RAW_ROLES}"
     return problems + stale, note
 
 
 def main(argv: list[str]) -> int:
+    migrate = "--migrate-stamps" in argv
+    argv = [a for a in argv if a != "--migrate-stamps"]
     paths: list[Path] = []
     for arg in argv or ["notebooks"]:
         p = Path(arg)
@@ -210,14 +251,26 @@ def main(argv: list[str]) -> int:
     if not paths:
         print("no notebooks found")
         return 1
+    if migrate:
+        for path in paths:
+            print(f"{path}: {stamps.migrate(path, HELPERS.parent)}")
+        return 0
     failed = 0
+    used: set = set()
     for path in paths:
-        problems, note = check_with_note(path)
+        problems, note = check_with_note(path, used=used)
         status = "ok" if not problems else f"{len(problems)} problem(s)"
         print(f"{path}: {status}; {note}")
         for problem in problems:
             print(f"  - {problem}")
         failed += bool(problems)
+    for folder in sorted({p.parent for p in paths}):
+        names = {p.name for p in paths if p.parent == folder}
+        unused = unused_allowances(folder, used, names)
+        every = {p.name for p in folder.glob("[0-9][0-9]_*.ipynb")} <= names  # else a note (a re-executed few)
+        for problem in unused:
+            print(f"{folder / ALLOWANCES}: {problem}" + ("" if every else " (a note: not a failure here)"))
+        failed += bool(unused) and every
     return 1 if failed else 0
 
 

@@ -2,6 +2,7 @@
 """Execute chapter notebooks in the full profile on a GPU machine, then run the hygiene check.
 
     python scripts/execute_notebooks.py [notebooks/01_memory_anatomy.ipynb ...] [--out DIR] [--wheels DIR]
+                                        [--commit SHA]
 
 Without notebook arguments, every chapter runs in the order of notebooks/chapters.json; a chapter that
 needs more GPUs than the machine has is skipped, saying so. Each notebook runs top to bottom in a
@@ -9,9 +10,17 @@ fresh kernel with GPUBOOK_PROFILE=full into a temporary file, which replaces the
 (or lands in --out) only when every cell succeeded: a failed run never overwrites a notebook (its
 partial output is kept in a temporary folder for reading). The full profile needs a CUDA GPU: without
 one the script refuses to start. Each executed notebook is stamped in its metadata
-(``gpubook.execution``: git commit, sha256 of each helpers/*.py and of each code cell, GPU, torch
-version, UTC date, wall seconds; the hygiene check compares them with today's code), and its wall time
-is recorded in execution_times.json beside the written notebooks (read by scripts/status_page.py).
+(``gpubook.execution``: content hashes of its code cells, of the helpers functions and classes it reaches
+and of the launched scripts it names (scripts/stamps.py), git commit, GPU, torch version, UTC date, wall
+seconds; the hygiene check compares the hashes with today's sources), and its wall time is recorded in
+execution_times.json beside the written notebooks (read by scripts/status_page.py).
+
+Provenance. In a git checkout the stamp records HEAD, and a full-profile run is refused when helpers/,
+notebooks/scripts/ or a notebook to execute differ from HEAD (commit first: a stamp must name sources that
+are in git). A machine without git (a copied working tree) records the commit given by ``--commit SHA`` or
+the environment variable ``GPUBOOK_COMMIT``, else "unknown", with a warning. Staleness is decided by the
+content hashes, so the commit is for the reader; the hashes are taken before the run and again after it,
+and a chapter whose sources changed in between is not written.
 
 Made for a bare GPU machine whose Python already has torch: it installs nothing it does not need.
 Packages that are missing (nbclient, ipykernel, datasets, bitsandbytes, ...) can come from a folder of
@@ -35,7 +44,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import check_notebooks  # noqa: E402  (the hashes the hygiene check compares)
+import stamps  # noqa: E402  (the content hashes the hygiene check compares)
 
 CHAPTERS = ROOT / "notebooks" / "chapters.json"
 TIMES = "execution_times.json"
@@ -93,26 +102,23 @@ def chapter_order(chapters: Path = CHAPTERS) -> list[dict]:
     return json.loads(chapters.read_text(encoding="utf-8"))["chapters"]
 
 
-def git_commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "helpers", "notebooks"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head.stdout.strip() + ("+uncommitted" if dirty else "")
+provenance = stamps.provenance
 
 
-def stamp(nb, gpu: str | None, wall_s: float, profile: str) -> dict:
-    """The execution record stored in the notebook's metadata (gpubook.execution)."""
+def stamp(nb, gpu: str | None, wall_s: float, profile: str, commit: str | None = None,
+          hashes: dict | None = None) -> dict:
+    """The execution record stored in the notebook's metadata (gpubook.execution).
+
+    ``hashes``: the chapter's content hashes taken before the run (default: now, from this checkout).
+    """
     try:
         torch_version = importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
         torch_version = None
     record = {
-        "commit": git_commit(),
-        **check_notebooks.helpers_fingerprint(ROOT / "helpers"),
-        **check_notebooks.code_fingerprint(nb),
+        "stamp_format": stamps.FORMAT,
+        "commit": commit or provenance([], None, ROOT)[0],
+        **(hashes if hashes is not None else content_hashes(nb, ROOT / "notebooks")),
         "gpu": gpu or "none (CPU)",
         "torch": torch_version,
         "profile": profile,
@@ -121,6 +127,12 @@ def stamp(nb, gpu: str | None, wall_s: float, profile: str) -> dict:
     }
     nb.metadata.setdefault("gpubook", {})["execution"] = record
     return record
+
+
+def content_hashes(nb, folder: Path) -> dict:
+    """The chapter's content hashes from the sources on disk now (read afresh, never cached)."""
+    sources = stamps.Sources.from_dirs(ROOT / "helpers", folder / "scripts")
+    return stamps.fingerprint(stamps.code_cells(nb), sources)
 
 
 def record_time(times: Path, name: str, record: dict) -> None:
@@ -133,16 +145,19 @@ def record_time(times: Path, name: str, record: dict) -> None:
     os.replace(tmp, times)
 
 
-def execute(path: Path, out: Path, timeout_s: int, gpu: str | None = None, profile: str = "full") -> dict:
+def execute(path: Path, out: Path, timeout_s: int, gpu: str | None = None, profile: str = "full",
+            commit: str | None = None) -> dict:
     """Run one notebook in a fresh kernel; write it to `out` only if every cell succeeded.
 
     The executed notebook goes to a temporary file beside `out`, stamped, then replaces `out`. On any
-    failure `out` is left as it was and the partial run is saved under the system temp folder.
+    failure `out` is left as it was and the partial run is saved under the system temp folder. The content
+    hashes are taken before the run; if they differ after it (an edit during the run), nothing is written.
     """
     import nbformat
     from nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
+    before = content_hashes(nb, path.parent)
     start = time.perf_counter()
     client = NotebookClient(
         nb, timeout=timeout_s, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
@@ -155,7 +170,11 @@ def execute(path: Path, out: Path, timeout_s: int, gpu: str | None = None, profi
         nbformat.write(nb, failed / path.name)
         print(f"{path.name}: the partial run is in {failed / path.name}; {out} is untouched", flush=True)
         raise
-    record = stamp(nb, gpu, time.perf_counter() - start, profile)
+    wall_s = time.perf_counter() - start
+    if content_hashes(nbformat.read(path, as_version=4), path.parent) != before:
+        raise RuntimeError(f"{path.name}: its cells, the helpers it uses or its scripts changed during the run; "
+                           f"{out} is untouched: run it again")
+    record = stamp(nb, gpu, wall_s, profile, commit, before)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.stem}.", suffix=".ipynb.tmp", dir=out.parent)
     os.close(fd)
     try:
@@ -175,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--site", type=Path, default=Path("/tmp/gpubook-site"), help="where wheels are unpacked")
     parser.add_argument("--profile", default="full", choices=["full", "tiny"])
     parser.add_argument("--timeout", type=int, default=1200, help="seconds allowed per cell")
+    parser.add_argument("--commit", help="the commit these sources are (a machine without git; "
+                                         "default: $GPUBOOK_COMMIT, else unknown)")
     args = parser.parse_args(argv)
 
     if args.wheels and not os.environ.get("_GPUBOOK_REEXEC"):
@@ -190,13 +211,25 @@ def main(argv: list[str] | None = None) -> int:
               "On a CPU, use --profile tiny (nothing is written over the committed notebooks unless you ask).",
               file=sys.stderr)
         return 2
-    os.environ["GPUBOOK_PROFILE"] = args.profile
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    drop_non_inline_backend()
     if args.notebooks:
         todo = [(path, 1) for path in args.notebooks]
     else:
         todo = [(ROOT / "notebooks" / c["file"], c["gpus"]) for c in chapter_order()]
+    commit, dirty = provenance([path for path, _ in todo], args.commit, ROOT)
+    if dirty and args.profile == "full":
+        print("refusing to stamp outputs from sources that are not in git: commit (or stash) these first, so "
+              "the stamp's commit holds what ran:\n  " + "\n  ".join(dirty[:20]), file=sys.stderr)
+        return 2
+    if dirty:
+        commit += "+uncommitted"
+        print(f"{args.profile} profile from an uncommitted tree: stamped {commit}", flush=True)
+    if commit == "unknown":
+        print("warning: no git here and no --commit SHA (or GPUBOOK_COMMIT): the stamps record commit 'unknown' "
+              "(staleness is decided by their content hashes; the commit only tells readers where they came from)",
+              file=sys.stderr, flush=True)
+    os.environ["GPUBOOK_PROFILE"] = args.profile
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    drop_non_inline_backend()
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
     status = 0
@@ -207,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         out = (args.out / path.name) if args.out else path
         try:
-            record = execute(path, out, args.timeout, gpu, args.profile)
+            record = execute(path, out, args.timeout, gpu, args.profile, commit)
             record_time(out.parent / TIMES, path.stem, record)
             print(f"{path.name}: executed in {record['wall_s']:.0f} s -> {out}", flush=True)
             written.append(str(out))

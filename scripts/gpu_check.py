@@ -4,12 +4,13 @@
     python scripts/gpu_check.py                      # execute every chapter (full profile), compare
     python scripts/gpu_check.py --executed DIR       # compare notebooks already executed into DIR
     python scripts/gpu_check.py --plan               # only say which cells would be checked/ignored
+    python scripts/gpu_check.py --restamp            # ... and re-stamp each chapter that reproduced
 
 The policy, per code cell (the chapters' code cells carry no nbval markers; the policy lives here and
 in notebooks/gpu_check.json, so the GPU outputs need not be touched to change it):
 
 - ignored: the first code cell (the environment report describes the machine) and every cell that
-  notebooks/gpu_check.json lists for its notebook, each with a reason (timings, losses, throughputs,
+  notebooks/gpu_check.json lists for its notebook (by cell id), each with a reason (timings, losses, throughputs,
   NVML numbers that include the CUDA context, ...);
 - checked: a cell whose committed text output holds a memory number (MiB, GiB, KiB, bytes): its text
   outputs (stream and text/plain; images and HTML are never compared) must equal the new run's, after
@@ -23,6 +24,14 @@ H200's memory tables to the byte), so a re-execution on an H100 or an H200 must 
 the order of notebooks/chapters.json into a temporary folder: the committed notebooks are never
 written. A chapter that needs more GPUs than the machine has is skipped, saying so. Exit 1 on any
 mismatch or failed execution.
+
+``--restamp`` (``make gpu-test`` passes it): a chapter whose every compared output reproduced gets a fresh
+execution stamp in the committed notebook's metadata (the content hashes of the sources this run executed,
+taken before it and unchanged after it; date, GPU, ``verified_by``; the earlier stamp's date, GPU and commit
+under ``outputs_from``). Its outputs are not touched: they are the committed run's, now vouched for by this
+one, so edits that changed no compared output (a refactor, a tiny-profile value) stop being stale without a
+stale_ok.json entry. It does not re-stamp from sources that differ from git HEAD (it still compares), and
+without git it records ``--commit SHA`` or $GPUBOOK_COMMIT (else "unknown", with a warning).
 """
 
 from __future__ import annotations
@@ -38,6 +47,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import stamps  # noqa: E402  (content hashes, for --restamp)
+
 NOTEBOOKS = ROOT / "notebooks"
 MEMORY = re.compile(r"\b(?:KiB|MiB|GiB|TiB|bytes)\b")
 
@@ -94,13 +106,14 @@ def code_cells(nb: dict) -> list[dict]:
 
 
 def plan(nb: dict, ignore: dict[str, str]) -> list[tuple[str, str]]:
-    """Per code cell (1-based order), ("ignored" | "checked" | "not compared", why)."""
+    """Per code cell (in order), ("ignored" | "checked" | "not compared", why); ``ignore``: cell id -> reason."""
     rows = []
     for i, cell in enumerate(code_cells(nb), start=1):
+        key = stamps.cell_key(cell, i)
         if i == 1:
             rows.append(("ignored", "environment report: describes the machine"))
-        elif str(i) in ignore:
-            rows.append(("ignored", ignore[str(i)]))
+        elif key in ignore:
+            rows.append(("ignored", ignore[key]))
         elif MEMORY.search(output_text(cell)):
             rows.append(("checked", "memory numbers in the output"))
         else:
@@ -127,6 +140,34 @@ def compare(committed: dict, executed: dict, ignore: dict[str, str],
     return counts, mismatches
 
 
+def restamp(path: Path, hashes: dict, gpu: str, commit: str, counts: dict) -> dict:
+    """Write a fresh stamp into a committed notebook whose re-execution reproduced its compared outputs.
+
+    Only ``metadata.gpubook.execution`` changes; every other byte of the file stays as it was.
+    """
+    import datetime
+    import importlib.metadata
+
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    old = nb.get("metadata", {}).get("gpubook", {}).get("execution") or {}
+    record = {
+        "stamp_format": stamps.FORMAT,
+        "commit": commit,
+        **hashes,
+        "gpu": gpu,
+        "torch": importlib.metadata.version("torch"),
+        "profile": "full",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "wall_s": old.get("wall_s"),
+        "verified_by": "scripts/gpu_check.py",
+        "verified": {k.replace(" ", "_"): v for k, v in counts.items()},
+        "outputs_from": old.get("outputs_from") or {k: old.get(k) for k in ("date", "gpu", "commit")},
+    }
+    nb.setdefault("metadata", {}).setdefault("gpubook", {})["execution"] = record
+    path.write_text(stamps.dumps_notebook(nb), encoding="utf-8")
+    return record
+
+
 def execute(path: Path, out_dir: Path, timeout_s: int) -> dict:
     import nbformat
     from nbclient import NotebookClient
@@ -148,7 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--executed", type=Path, help="compare the notebooks in this folder; execute nothing")
     parser.add_argument("--plan", action="store_true", help="print the per-chapter policy; execute nothing")
     parser.add_argument("--timeout", type=int, default=1200, help="seconds allowed per cell")
+    parser.add_argument("--restamp", action="store_true",
+                        help="re-stamp each chapter whose compared outputs all reproduced (outputs untouched)")
+    parser.add_argument("--commit", help="with --restamp on a machine without git: the commit of these sources")
     args = parser.parse_args(argv)
+    if args.restamp and (args.plan or args.executed):
+        print("--restamp needs this run to execute the chapters (not --plan, not --executed)", file=sys.stderr)
+        return 2
 
     config = json.loads(args.config.read_text(encoding="utf-8"))["ignore"]
     sanitizers = load_sanitizers(args.sanitize)
@@ -166,6 +213,16 @@ def main(argv: list[str] | None = None) -> int:
         if not n_gpus:
             print("make gpu-test needs a CUDA GPU: the committed outputs are full-profile GPU runs", file=sys.stderr)
             return 2
+        if args.restamp:
+            commit, dirty = stamps.provenance([NOTEBOOKS / c["file"] for c in chapters], args.commit, ROOT)
+            if dirty:
+                print("not re-stamping: these sources differ from git HEAD (commit them first; the outputs are "
+                      "still compared):\n  " + "\n  ".join(dirty[:20]), file=sys.stderr, flush=True)
+                args.restamp = False
+            elif commit == "unknown":
+                print("warning: no git here and no --commit SHA (or GPUBOOK_COMMIT): re-stamps record commit "
+                      "'unknown'", file=sys.stderr, flush=True)
+            gpu_name = torch.cuda.get_device_name(0) if args.restamp else None
         os.environ["GPUBOOK_PROFILE"] = "full"
         if os.environ.pop("MPLBACKEND", None):  # a non-inline backend drops every figure from the outputs
             print("MPLBACKEND unset for the kernels (a non-inline backend drops every figure)", flush=True)
@@ -188,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: SKIPPED: needs {chapter['gpus']} GPUs, this machine has {n_gpus}", flush=True)
             continue
         start = time.perf_counter()
+        hashes = (stamps.fingerprint(stamps.code_cells(committed), stamps.Sources.from_dirs(
+            ROOT / "helpers", NOTEBOOKS / "scripts")) if args.restamp else None)
         try:
             executed = (json.loads((args.executed / name).read_text(encoding="utf-8")) if args.executed
                         else execute(NOTEBOOKS / name, work, args.timeout))
@@ -203,6 +262,14 @@ def main(argv: list[str] | None = None) -> int:
         for m in mismatches:
             print(f"  - {m}")
         failed += bool(mismatches)
+        if args.restamp and counts and not mismatches:
+            now = json.loads((NOTEBOOKS / name).read_text(encoding="utf-8"))
+            if stamps.fingerprint(stamps.code_cells(now), stamps.Sources.from_dirs(
+                    ROOT / "helpers", NOTEBOOKS / "scripts")) != hashes:
+                print("  not re-stamped: its sources changed during the run", flush=True)
+            else:
+                restamp(NOTEBOOKS / name, hashes, gpu_name, commit, counts)
+                print(f"  re-stamped: {name}'s stamp now holds the hashes of the sources this run executed", flush=True)
     print(f"total: checked {totals['checked']}, ignored {totals['ignored']}, not compared {totals['not compared']}"
           + ("" if args.plan else f"; executed notebooks in {args.executed or work}"))
     return 1 if failed else 0

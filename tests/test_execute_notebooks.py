@@ -60,6 +60,11 @@ def test_a_notebook_runs_in_a_fresh_kernel_with_the_profile_and_this_checkout(tm
     assert not source.with_name("01_probe.ipynb").read_text().count('"outputs": [\n     {')  # source untouched
 
 
+spec_c = importlib.util.spec_from_file_location("check_notebooks", ROOT / "scripts" / "check_notebooks.py")
+check_notebooks = importlib.util.module_from_spec(spec_c)
+spec_c.loader.exec_module(check_notebooks)
+
+
 def tiny_notebook(path, *sources):
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(s) for s in sources]
@@ -81,6 +86,9 @@ def test_the_full_profile_is_refused_without_a_gpu(tmp_path, monkeypatch, capsys
 def test_a_chapter_needing_more_gpus_than_the_machine_has_is_skipped(tmp_path, monkeypatch, capsys):
     chapters = tmp_path / "chapters.json"
     chapters.write_text(json.dumps({"chapters": [{"file": "01_a.ipynb", "gpus": 1}, {"file": "07_b.ipynb", "gpus": 2}]}))
+    for name in ("GPUBOOK_PROFILE", "PYTHONPATH", "MPLBACKEND"):  # main() sets them: restored after the test
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+    monkeypatch.setattr(execute_notebooks, "provenance", lambda paths, commit, root: ("abc", []))
     ran = []
     monkeypatch.setattr(execute_notebooks, "gpus", lambda: (1, "NVIDIA H100 80GB HBM3"))
     monkeypatch.setattr(execute_notebooks, "chapter_order", lambda: execute_notebooks.json.loads(chapters.read_text())["chapters"])
@@ -117,10 +125,56 @@ def test_a_failed_run_leaves_the_notebook_untouched_and_a_good_one_is_stamped_an
     assert executed.cells[0].outputs[0]["text"] == "42\n"
     stamp = executed.metadata["gpubook"]["execution"]
     assert stamp == record and stamp["gpu"] == "NVIDIA H100 80GB HBM3" and stamp["wall_s"] >= 0
-    assert stamp["helpers_files_sha256"]["measure.py"] == execute_notebooks.check_notebooks.sha256(
-        (ROOT / "helpers" / "measure.py").read_bytes())
+    assert stamp["stamp_format"] == 2 and list(stamp["cells"]) == [executed.cells[0].id]
     # The stamp is what the hygiene check compares against: an unchanged notebook is not stale.
-    assert execute_notebooks.check_notebooks.stamp_status(good, json.loads(good.read_text()))[0] == []
+    assert check_notebooks.stamp_status(good, json.loads(good.read_text()))[0] == []
     times = json.loads((tmp_path / "execution_times.json").read_text())
     assert times["chapters"]["02_good"]["wall_s"] == record["wall_s"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["01_bad.ipynb", "02_good.ipynb", "execution_times.json"]
+
+
+def test_a_full_run_from_a_dirty_tree_is_refused(tmp_path, monkeypatch, capsys):
+    path = tiny_notebook(tmp_path / "01_probe.ipynb", "print(1)")
+    for name in ("GPUBOOK_PROFILE", "PYTHONPATH", "MPLBACKEND"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+    monkeypatch.setattr(execute_notebooks, "gpus", lambda: (1, "NVIDIA H100 80GB HBM3"))
+    monkeypatch.setattr(execute_notebooks, "provenance", lambda paths, commit, root: ("abc", ["helpers/measure.py"]))
+    monkeypatch.setattr(execute_notebooks, "execute", lambda *a, **k: pytest.fail("must not execute"))
+    assert execute_notebooks.main([str(path)]) == 2
+    assert "refusing to stamp outputs from sources that are not in git" in capsys.readouterr().err
+
+
+def test_a_full_run_without_git_records_the_given_commit(tmp_path, monkeypatch, capsys):
+    """The GPU branch of main() on a CPU: a fake GPU, a fake execution, the real provenance (no git here)."""
+    path = tiny_notebook(tmp_path / "01_probe.ipynb", "print(1)")
+    for name in ("GPUBOOK_PROFILE", "PYTHONPATH", "MPLBACKEND"):  # main() sets them: restored after the test
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+    monkeypatch.setattr(execute_notebooks, "gpus", lambda: (1, "NVIDIA H100 80GB HBM3"))
+    monkeypatch.setattr(execute_notebooks, "ROOT", tmp_path)  # a copied tree: no .git
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    ran = []
+
+    def execute(path, out, timeout_s, gpu, profile, commit):
+        ran.append((path.name, gpu, profile, commit))
+        return {"wall_s": 1.0, "gpu": gpu, "torch": "2.13.0", "profile": profile, "date": "d", "commit": commit}
+
+    monkeypatch.setattr(execute_notebooks, "execute", execute)
+    execute_notebooks.main([str(path), "--commit", "c0ffee1"])  # (its hygiene check then fails: no real run)
+    assert ran == [("01_probe.ipynb", "NVIDIA H100 80GB HBM3", "full", "c0ffee1")]
+    monkeypatch.delenv("GPUBOOK_COMMIT", raising=False)
+    ran.clear()
+    execute_notebooks.main([str(path)])
+    assert ran[0][3] == "unknown" and "no git here and no --commit" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nbclient") is None, reason="needs nbclient")
+def test_sources_edited_during_the_run_are_not_stamped(tmp_path):
+    path = tiny_notebook(tmp_path / "01_edit.ipynb", "import json, pathlib\n"
+                         "p = pathlib.Path('01_edit.ipynb')\n"
+                         "nb = json.loads(p.read_text())\n"
+                         "nb['cells'][0]['source'] = 'print(2)'\n"
+                         "p.write_text(json.dumps(nb))")
+    out = tmp_path / "out.ipynb"
+    with pytest.raises(RuntimeError, match="changed during the run"):
+        execute_notebooks.execute(path, out, timeout_s=120, gpu=None, profile="tiny", commit="abc")
+    assert not out.exists()

@@ -2,9 +2,11 @@
 
 import copy
 import importlib.util
+import os
 from pathlib import Path
 
 import nbformat
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
@@ -25,7 +27,7 @@ def run(env, memory, timing, figure_text):
     nb.cells = [nbformat.v4.new_markdown_cell("# 1. A chapter")]
     for i, outs in enumerate(outputs, start=1):
         cell = nbformat.v4.new_code_cell(f"cell_{i}()")
-        cell.outputs, cell.execution_count = outs, i
+        cell.outputs, cell.execution_count, cell.id = outs, i, f"cell{i}"
         nb.cells.append(cell)
     return nbformat.from_dict(copy.deepcopy(nb))
 
@@ -38,7 +40,7 @@ H100 = run("GPU  1 x NVIDIA H100 80GB HBM3, 79.6 GiB each\nNVIDIA driver  570.86
            "               peak allocated (MiB)\nfp32 AdamW                 5,120.00\nbf16 AdamW                 3,840.50",
            "step 44.9 ms, 89.0 samples/s, peak 5,120 MiB",
            "<Figure size 640x480 with 1 Axes>")
-IGNORE = {"3": "timings beside the memory numbers"}
+IGNORE = {"cell3": "timings beside the memory numbers"}  # by cell id
 
 
 def test_the_plan_ignores_the_environment_and_listed_cells_and_checks_memory_outputs():
@@ -94,8 +96,8 @@ def test_compare_an_executed_folder_from_the_command_line(tmp_path, capsys):
 def test_the_config_names_existing_chapters_and_cells_with_reasons():
     config = gpu_check.json.loads((ROOT / "notebooks" / "gpu_check.json").read_text())["ignore"]
     for name, cells in config.items():
-        n_code = len(gpu_check.code_cells(gpu_check.json.loads((ROOT / "notebooks" / name).read_text())))
-        assert all(1 < int(i) <= n_code and reason.strip() for i, reason in cells.items()), name
+        ids = [c["id"] for c in gpu_check.code_cells(gpu_check.json.loads((ROOT / "notebooks" / name).read_text()))]
+        assert all(i in ids[1:] and reason.strip() for i, reason in cells.items()), name  # ids of code cells 2, 3, ...
 
 
 def test_a_figure_is_not_compared_even_through_its_text_repr():
@@ -119,3 +121,79 @@ def test_stdout_split_into_chunks_by_a_flush_compares_equal_to_one_chunk():
     table = {"output_type": "execute_result", "data": {"text/plain": "peak  1.00 GiB"}}
     after = {"cell_type": "code", "outputs": [stdout("a\n"), table, stdout("b\n")]}
     assert gpu_check.output_text(after) == "a\n\npeak  1.00 GiB\nb\n"
+
+
+def test_restamp_after_a_reproduced_run_refreshes_the_stamp_and_nothing_else(tmp_path, monkeypatch, capsys):
+    """The --restamp branch of a GPU run, on a CPU: torch's CUDA answers and the execution are faked."""
+    import json
+    import shutil
+
+    import torch
+
+    notebooks = tmp_path / "notebooks"
+    (notebooks / "scripts").mkdir(parents=True)
+    for name in ("chapters.json", "sanitize.cfg", "gpu_check.json", "01_memory_anatomy.ipynb",
+                 "02_dtypes_quantization.ipynb"):
+        shutil.copy(ROOT / "notebooks" / name, notebooks / name)
+    shutil.copytree(ROOT / "helpers", tmp_path / "helpers", ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(gpu_check, "ROOT", tmp_path)
+    monkeypatch.setattr(gpu_check, "NOTEBOOKS", notebooks)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(gpu_check.stamps, "provenance", lambda paths, commit, root: ("feedc0de", []))
+    one, two = notebooks / "01_memory_anatomy.ipynb", notebooks / "02_dtypes_quantization.ipynb"
+    before = {p: json.loads(p.read_text()) for p in (one, two)}
+
+    def execute(path, out_dir, timeout_s):  # chapter 1 reproduces; chapter 2 prints another memory number
+        nb = json.loads(path.read_text())
+        if path.name.startswith("02"):
+            cell = next(c for c, (v, _) in zip(gpu_check.code_cells(nb), gpu_check.plan(nb, {}), strict=True)
+                        if v == "checked")
+            cell["outputs"] = [{"output_type": "stream", "name": "stdout", "text": "1,234.00 MiB\n"}]
+        return nb
+
+    monkeypatch.setattr(gpu_check, "execute", execute)
+    for name in ("GPUBOOK_PROFILE", "PYTHONPATH"):  # main() sets them: restored after the test
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    assert gpu_check.main(["--restamp", one.name, two.name]) == 1  # chapter 2's mismatch fails the check
+    out = capsys.readouterr().out
+    assert "re-stamped: 01_memory_anatomy.ipynb" in out and "re-stamped: 02" not in out
+    assert json.loads(two.read_text()) == before[two]  # not reproduced: untouched
+    after = json.loads(one.read_text())
+    stamp = after["metadata"]["gpubook"].pop("execution")
+    old = before[one]["metadata"]["gpubook"].pop("execution")
+    assert after == before[one]  # outputs and everything else as they were
+    assert stamp["verified_by"] == "scripts/gpu_check.py" and stamp["commit"] == "feedc0de"
+    assert stamp["gpu"] == "NVIDIA H100 80GB HBM3" and stamp["outputs_from"]["date"] == old["date"]
+    assert stamp["verified"]["checked"] > 0
+    # The fresh stamp holds today's hashes: the hygiene check finds nothing stale in chapter 1.
+    spec_c = importlib.util.spec_from_file_location("check_notebooks", ROOT / "scripts" / "check_notebooks.py")
+    check_notebooks = importlib.util.module_from_spec(spec_c)
+    spec_c.loader.exec_module(check_notebooks)
+    problems, note = check_notebooks.stamp_status(one, json.loads(one.read_text()), tmp_path / "helpers",
+                                                  {"require_stamp": [], "allow": {}})
+    assert problems == [] and "verified by scripts/gpu_check.py" in note
+
+
+def test_restamp_is_refused_without_a_run_that_executes():
+    assert gpu_check.main(["--restamp", "--plan"]) == 2
+
+
+def test_a_dirty_tree_is_compared_but_not_restamped(tmp_path, monkeypatch, capsys):
+    import json
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(gpu_check.stamps, "provenance", lambda paths, commit, root: ("abc", ["helpers/plan.py"]))
+    monkeypatch.setattr(gpu_check, "execute", lambda path, out_dir, timeout_s: json.loads(path.read_text()))
+    monkeypatch.setattr(gpu_check, "restamp", lambda *a: pytest.fail("must not re-stamp"))
+    for name in ("GPUBOOK_PROFILE", "PYTHONPATH"):  # main() sets them: restored after the test
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    assert gpu_check.main(["--restamp", "01_memory_anatomy.ipynb"]) == 0
+    captured = capsys.readouterr()
+    assert "not re-stamping" in captured.err and "01_memory_anatomy.ipynb: ok" in captured.out
