@@ -22,8 +22,13 @@ in notebooks/gpu_check.json, so the GPU outputs need not be touched to change it
 Allocator numbers are deterministic across GPU models of one family (an H100 re-run reproduced the
 H200's memory tables to the byte), so a re-execution on an H100 or an H200 must pass. Chapters run in
 the order of notebooks/chapters.json into a temporary folder: the committed notebooks are never
-written. A chapter that needs more GPUs than the machine has is skipped, saying so. Exit 1 on any
-mismatch or failed execution.
+written. A chapter that needs more GPUs than the machine has is skipped, saying so.
+
+Speed conclusions are compared too: every cell's verdict words ("faster", "slower", "no difference beyond the
+noise", "host-bound", "GPU-bound", ...; scripts/verdicts.py) must come out the same in the re-run, cell by cell.
+A flip fails the check unless notebooks/gpu_check.json declares that cell noise-sensitive (``noise_sensitive``,
+at most three cells in the book, each with its reason). Exit 1 on any mismatch, undeclared flip or failed
+execution. ``--report FILE`` writes the counts, mismatches and flips per chapter as JSON.
 
 ``--restamp`` (``make gpu-test`` passes it): a chapter whose every compared output reproduced gets a fresh
 execution stamp in the committed notebook's metadata (the content hashes of the sources this run executed,
@@ -49,6 +54,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stamps  # noqa: E402  (content hashes, for --restamp)
+import verdicts as verdict_words  # noqa: E402  (the verdict words of rendered outputs)
 
 NOTEBOOKS = ROOT / "notebooks"
 MEMORY = re.compile(r"\b(?:KiB|MiB|GiB|TiB|bytes)\b")
@@ -181,7 +187,8 @@ def execute(path: Path, out_dir: Path, timeout_s: int) -> dict:
     return json.loads((out_dir / path.name).read_text(encoding="utf-8"))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, committed_dir: Path | None = None) -> int:
+    """The command line; ``committed_dir`` (tests) reads the committed notebooks from another folder."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("notebooks", nargs="*", help="chapter files (default: all, in chapters.json order)")
     parser.add_argument("--config", type=Path, default=NOTEBOOKS / "gpu_check.json")
@@ -192,12 +199,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--restamp", action="store_true",
                         help="re-stamp each chapter whose compared outputs all reproduced (outputs untouched)")
     parser.add_argument("--commit", help="with --restamp on a machine without git: the commit of these sources")
+    parser.add_argument("--work", type=Path, help="execute into this folder (kept) instead of a temporary one")
+    parser.add_argument("--report", type=Path, help="write per-chapter counts, mismatches and verdict flips here (JSON)")
     args = parser.parse_args(argv)
     if args.restamp and (args.plan or args.executed):
         print("--restamp needs this run to execute the chapters (not --plan, not --executed)", file=sys.stderr)
         return 2
 
     config = json.loads(args.config.read_text(encoding="utf-8"))["ignore"]
+    noise_sensitive = verdict_words.load_noise_sensitive(args.config)
     sanitizers = load_sanitizers(args.sanitize)
     chapters = json.loads((NOTEBOOKS / "chapters.json").read_text(encoding="utf-8"))["chapters"]
     if args.notebooks:
@@ -227,12 +237,14 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.pop("MPLBACKEND", None):  # a non-inline backend drops every figure from the outputs
             print("MPLBACKEND unset for the kernels (a non-inline backend drops every figure)", flush=True)
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    work = Path(tempfile.mkdtemp(prefix="gpubook-gpu-check-"))
+    work = args.work or Path(tempfile.mkdtemp(prefix="gpubook-gpu-check-"))
+    work.mkdir(parents=True, exist_ok=True)
+    report: dict[str, dict] = {}
     failed = 0
     totals = {"checked": 0, "ignored": 0, "not compared": 0}
     for chapter in chapters:
         name = chapter["file"]
-        committed = json.loads((NOTEBOOKS / name).read_text(encoding="utf-8"))
+        committed = json.loads(((committed_dir or NOTEBOOKS) / name).read_text(encoding="utf-8"))
         ignore = config.get(name, {})
         if args.plan:
             verdicts = [v for v, _ in plan(committed, ignore)]
@@ -261,8 +273,16 @@ def main(argv: list[str] | None = None) -> int:
               f"not compared {counts.get('not compared', 0)} code cells; {time.perf_counter() - start:.0f} s", flush=True)
         for m in mismatches:
             print(f"  - {m}")
-        failed += bool(mismatches)
-        if args.restamp and counts and not mismatches:
+        with_verdicts, flips = verdict_words.compare(committed, executed, noise_sensitive.get(name, {}))
+        undeclared = [f for f in flips if not f.declared]
+        print(f"  verdicts: {with_verdicts} cells with verdict words, {len(flips)} flipped "
+              f"({len(undeclared)} not declared noise-sensitive)", flush=True)
+        for f in flips:
+            print(f"  - verdict flip: {f.describe()}")
+        report[name] = {"counts": counts, "mismatches": len(mismatches), "verdict_cells": with_verdicts,
+                        "flips": [f.describe() for f in flips], "undeclared_flips": len(undeclared)}
+        failed += bool(mismatches) or bool(undeclared)
+        if args.restamp and counts and not mismatches and not undeclared:
             now = json.loads((NOTEBOOKS / name).read_text(encoding="utf-8"))
             if stamps.fingerprint(stamps.code_cells(now), stamps.Sources.from_dirs(
                     ROOT / "helpers", NOTEBOOKS / "scripts")) != hashes:
@@ -270,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 restamp(NOTEBOOKS / name, hashes, gpu_name, commit, counts)
                 print(f"  re-stamped: {name}'s stamp now holds the hashes of the sources this run executed", flush=True)
+    if args.report:
+        args.report.write_text(json.dumps(report, indent=1))
     print(f"total: checked {totals['checked']}, ignored {totals['ignored']}, not compared {totals['not compared']}"
           + ("" if args.plan else f"; executed notebooks in {args.executed or work}"))
     return 1 if failed else 0

@@ -2,6 +2,7 @@
 
 import copy
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -197,3 +198,27 @@ def test_a_dirty_tree_is_compared_but_not_restamped(tmp_path, monkeypatch, capsy
     assert gpu_check.main(["--restamp", "01_memory_anatomy.ipynb"]) == 0
     captured = capsys.readouterr()
     assert "not re-stamping" in captured.err and "01_memory_anatomy.ipynb: ok" in captured.out
+
+
+def test_a_verdict_that_flips_in_the_rerun_fails_the_check(tmp_path, capsys):
+    """Speed conclusions must survive a re-run: one changed verdict word in a rendered sentence fails the check."""
+    executed = tmp_path / "executed"
+    executed.mkdir()
+    name = "01_memory_anatomy.ipynb"
+    nb = json.loads((ROOT / "notebooks" / name).read_text())
+    nb["cells"].append({"cell_type": "code", "id": "flipcell", "metadata": {}, "execution_count": None, "source": "",
+                        "outputs": [{"output_type": "display_data", "metadata": {},
+                                     "data": {"text/markdown": "fused AdamW: 1.20×, faster", "text/plain": "x"}}]})
+    committed = tmp_path / "committed"
+    committed.mkdir()
+    (committed / name).write_text(json.dumps(nb))
+    nb["cells"][-1]["outputs"][0]["data"]["text/markdown"] = "fused AdamW: 1.01×, no difference beyond the noise"
+    (executed / name).write_text(json.dumps(nb))
+    report = tmp_path / "report.json"
+    assert gpu_check.main(["--executed", str(executed), "--report", str(report), name],
+                          committed_dir=committed) == 1
+    out = capsys.readouterr().out
+    assert "1 flipped (1 not declared noise-sensitive)" in out and "verdict flip: cell flipcell" in out
+    assert json.loads(report.read_text())[name]["undeclared_flips"] == 1
+    (executed / name).write_text((committed / name).read_text())
+    assert gpu_check.main(["--executed", str(executed), name], committed_dir=committed) == 0
