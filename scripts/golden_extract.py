@@ -133,7 +133,7 @@ def html_table(html: str) -> list[dict[str, str]]:
         if last_labels and len(labels) < len(last_labels):  # a MultiIndex row that repeats its first label
             labels = last_labels[: len(last_labels) - len(labels)] + labels
         last_labels = labels
-        records.append({"": " | ".join(labels), **dict(zip([h for h in header if h.strip()], data))})
+        records.append({"": " | ".join(labels), **dict(zip([h for h in header if h.strip()], data, strict=True))})
     return records
 
 
@@ -153,7 +153,7 @@ def text_table(text: str) -> list[dict]:
         nums = [number(x) for x in m.group(2).split()]
         if len(nums) != len(cols):
             raise ExtractError(f"row {ln!r}: {len(nums)} numbers for the {len(cols)} columns {cols}")
-        records.append({"": m.group(1).strip(), **dict(zip(cols, nums))})
+        records.append({"": m.group(1).strip(), **dict(zip(cols, nums, strict=True))})
     return records
 
 
