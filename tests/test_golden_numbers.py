@@ -151,7 +151,7 @@ STAGE_OF = {v: k for k, v in estimates.STAGE_LABELS.items()}
 FP32_ADAMW = dict(param_bytes=4, grad_bytes=4, optimizer_bytes=8)
 
 
-@pytest.mark.parametrize("label", sorted(CH7["paper_7_5b"]))
+@pytest.mark.parametrize("label", sorted(CH7["paper_7_5b"]), ids=lambda label: label.split(" ")[0])
 def test_zero_formula_against_the_paper_as_printed(label):
     printed = CH7["paper_7_5b"][label]
     total = estimates.zero_model_state_bytes(7.5e9, 64, STAGE_OF[label])["total"]
