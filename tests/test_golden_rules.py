@@ -18,6 +18,7 @@ import statistics
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import cleanup, estimates, measure, models, plan, timing
 
@@ -214,3 +215,40 @@ def test_zero3_forward_holds_one_gathered_block():
     assert p.phase_components["optimizer step"]["weights"] == plan.weight_bytes(s) // 2
     no_zero = plan.predict(s.replace(zero_stage=0, world_size=1))
     assert no_zero.phase_components["forward"]["weights"] == no_zero.phase_components["optimizer step"]["weights"]
+
+
+class _ParameterCasts(TorchDispatchMode):
+    """Bytes of the 16-bit copies autocast makes of each parameter during a forward pass (once per parameter)."""
+
+    def __init__(self, params):
+        super().__init__()
+        self.params = {p.data_ptr() for p in params}
+        self.copies: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        src = args[0] if args else None
+        if func is torch.ops.aten._to_copy.default and isinstance(src, torch.Tensor) \
+                and src.data_ptr() in self.params and out.dtype == torch.bfloat16:
+            self.copies[src.data_ptr()] = out.numel() * out.element_size()
+        return out
+
+
+def test_autocast_copies_of_a_lora_model_are_what_autocast_casts():
+    """LoRA's fp32 adapters on a bf16 base are cast to 16 bits under autocast, like every fp32 weight that
+    requires grad (chapter 1, section 1.3): the planner's copy bytes against the casts a CPU forward pass makes.
+    (On an fp32 base autocast also casts the linears' biases, which the planner leaves out: a few KiB.)"""
+    from peft import LoraConfig, get_peft_model
+
+    targets = ("query_key_value", "dense")
+    s = plan.Setup(model="gpt-neox-1.3b", batch=1, seq=8, precision="bf16", optimizer="adamw", profile="tiny",
+                   lora_rank=4, lora_targets=targets)
+    model = models.build("polyglot-ko-1.3b", profile="tiny", head="causal-lm", dtype=torch.bfloat16)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=16, lora_dropout=0.0, target_modules=list(targets),
+                                             task_type="CAUSAL_LM"))
+    ids = torch.randint(0, 100, (1, 8))
+    with _ParameterCasts(model.parameters()) as casts, torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=ids, labels=ids)
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert adapters == plan.lora_trainable_params(s)
+    assert sum(casts.copies.values()) == plan.autocast_copy_bytes(s) == 2 * adapters
