@@ -73,7 +73,8 @@ MUTANTS = [
     Mutant("X2", "wrong bytes per parameter", "estimates.BYTES_PER_PARAM['mixed_adamw'] weights 6 -> 4",
            '"mixed_adamw": {"weights": 6,', '"mixed_adamw": {"weights": 4,', ESTIMATES),
     Mutant("X5", "threshold", "cleanup.back_at_baseline tolerance x100",
-           "tolerance_mib: float = 0.01", "tolerance_mib: float = 1.0", ("tests/test_golden_rules.py", "tests/test_cleanup.py")),
+           "baseline_mib + tolerance_mib", "baseline_mib + 100 * tolerance_mib",
+           ("tests/test_golden_rules.py", "tests/test_cleanup.py")),
     Mutant("X7", "dropped term", "plan.predict: ZeRO-3's gathered block dropped",
            "gathered = shape.layer_linear_numel() * _weight_dtype_bytes(s)", "gathered = 0", PLAN),
     # --- fresh ones of the same kinds
