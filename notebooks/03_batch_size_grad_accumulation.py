@@ -460,7 +460,7 @@ name = "polyglot-ko-1.3b"
 model, optimizer = build(name)
 steps.train_step(model, optimizer, make_batch(name, 1))  # AdamW's states exist from here on
 cleanup.collect()
-baseline_mib = measure.allocator_mib()
+baseline_mib = measure.allocator_mib()["allocated_mib"]
 
 
 def polyglot_step(batch_size):
