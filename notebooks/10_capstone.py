@@ -877,7 +877,7 @@ def ladder_sentences(name, table, timed, notes, best, goal):
     comps, t0 = notes["comparisons"], notes["vanilla"]
     first, b = table.iloc[0], table.loc[best]
     prod, lo, hi = climb_product(comps, best)
-    aim = ("at least" if lo >= 10 else "short of" if hi < 10 else "around, without the intervals settling which side of,")
+    aim = ("at least" if lo >= 10 else "short of" if hi < 10 else "a range that includes")
     text = (f"**{name}.** From {first['tokens/s']:,.0f} to {b['tokens/s']:,.0f} tokens/s. The rungs' speed-ups per "
             f"sample multiply to {prod:.1f} times the vanilla setup's throughput (the products of their interval ends: "
             f"{lo:.1f} to {hi:.1f}), {aim} the 10 times this chapter aimed for. ")
