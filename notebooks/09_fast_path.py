@@ -133,7 +133,7 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-cache-
 # The chapter's time budget: the most expensive experiments (compilations) start only if the experiments before them
 # left enough of it. It counts the seconds spent computing inside `charged()` blocks, not the time a reader spends
 # between cells, so reading at human speed skips nothing; a slow GPU or CPU can skip rows, and the text says which.
-BUDGET_S = 190
+BUDGET_S = 260
 spent_s = 0.0
 
 
@@ -588,8 +588,9 @@ def dtype_text(cmp):
                 f"between {lo:.2f} and {hi:.2f}, each interval within ±3%): the choice between them is about range and "
                 f"loss scaling (chapter 5), not attention speed.")
     return (f"fp16 and bf16 show no difference beyond the noise in {len(same)} of the {len(cmp)} cases; fp16 differs in "
-            f"these: {'; '.join(differ)}. Which type is faster depends on the kernel and the length, so measure on your "
-            f"GPU before choosing on speed; the argument from range and loss scaling (chapter 5) holds either way.")
+            f"these: {'; '.join(differ)}. Only {prose.listing(sorted({impl for (impl, _), c in cmp.items() if c.verdict != timing.NO_DIFFERENCE}))} "
+            f"showed a difference here, so measure your own kernel and length before choosing on speed; the argument "
+            f"from range and loss scaling (chapter 5) holds either way.")
 
 
 if dtype_cmp:
@@ -802,14 +803,11 @@ def packing_text(table, cmp, pad, group, pack):
         slots_ratio = table.loc[pad, "token slots"] / table.loc[label, "token slots"]
         text.append(f"{label.split(' (')[0]}, {c.phrase(what='than the padded batches')}; kernel-time speed-up "
                     f"{c.kernel_ratio:.2f}× (the GPU's own work) for {slots_ratio:.2f} times fewer token slots.")
-    if base.gpu_busy >= 0.9:
-        text.append(f"The padded pass kept the GPU busy {prose.pct(base.gpu_busy)} of the time, so the wall-clock gain "
-                    f"follows the GPU's work: here padding costs compute, and removing it pays in full.")
-    else:
-        text.append(f"The padded pass kept the GPU busy only {prose.pct(base.gpu_busy)} of the time ({base.verdict}; "
-                    f"{timing.us_per_launch(base):.0f} µs of host time per GPU operation): the host's launches, which do "
-                    f"not shrink with the padding, hide part of the GPU's saving from the wall clock, and on a slower CPU "
-                    f"they hide more. The kernel-time ratio is what removing padding saves the GPU on any host.")
+    text.append(f"The padded pass kept the GPU busy {prose.pct(base.gpu_busy)} of the time, with "
+                f"{timing.us_per_launch(base):.0f} µs of host time per GPU operation. The wall clock passes on the "
+                f"kernel-time saving only in the share of the step where the GPU works; the host's launches, which do "
+                f"not shrink with the padding, fill the rest, and on a slower CPU they fill more. The kernel-time ratio "
+                f"is what removing padding saves the GPU on any host.")
     kernels = table["attention kernel"].dropna()
     if len(kernels):
         text.append("SDPA ran " + prose.listing(f"**{k}** for the {lbl.split(' (')[0]} batches" for lbl, k in kernels.items())
@@ -923,7 +921,7 @@ def compile_runs(name, modes, budget_s):
         label = f"compiled ({mode})"
         if seconds_left() < budget_s[mode]:
             info[label] = {"note": f"skipped: {max(seconds_left(), 0):.0f} s of the chapter's time budget left, "
-                                   f"{budget_s[mode]} s needed (a slower GPU or CPU spent the rest on earlier sections)"}
+                                   f"{budget_s[mode]} s needed (the earlier sections used the rest)"}
             continue
         torch._dynamo.reset()  # each mode compiles afresh, not from the previous mode's cache
         counters.clear()
@@ -951,6 +949,7 @@ def compile_runs(name, modes, budget_s):
             set_layers(model, eager_layers)
         results[label] = c
         info[label] = {"peak allocated (GiB)": torch.cuda.max_memory_allocated() / 2**30,
+                       "peak reserved (GiB)": torch.cuda.max_memory_reserved() / 2**30,
                        "compile time (s)": first_s - eager_s,
                        "compilations (first step)": compilations,
                        "recompilations while timed": counters["frames"]["ok"] - compilations,
@@ -1059,7 +1058,13 @@ def compile_lines(model, label, c, row, cats_e, cats_c, eager_peak):
         f"Kernel-time speed-up {kr:.2f}× (element-wise and normalisation kernels {cats_c.get(ew, 0):.1f} ms against "
         f"{cats_e.get(ew, 0):.1f} ms); GPU busy {prose.pct(c.b.gpu_busy)} "
         f"(eager {prose.pct(c.a.gpu_busy)}); {c.b.kernels_per_call:,} GPU operations per step (eager "
-        f"{c.a.kernels_per_call:,}); peak {row['peak allocated (GiB)']:.2f} GiB (eager {eager_peak:.2f} GiB); "
+        f"{c.a.kernels_per_call:,}); "
+        + (f"peak allocated {row['peak allocated (GiB)']:.2f} GiB outside the CUDA graphs' private memory pool, which "
+           f"holds the replayed step's activations and which this reading leaves out (peak reserved "
+           f"{row.get('peak reserved (GiB)', float('nan')):.2f} GiB; eager allocated {eager_peak:.2f} GiB); "
+           if "reduce-overhead" in label else
+           f"peak {row['peak allocated (GiB)']:.2f} GiB (eager {eager_peak:.2f} GiB); ")
+        + f""
         f"{row['compilations (first step)']} TorchDynamo compilation(s) for the first step, "
         f"{row['recompilations while timed']} while timed, {row['graph breaks']} graph break(s)."]
     att_e, att_c = cats_e.get("attention", 0.0), cats_c.get("attention", 0.0)
@@ -1083,9 +1088,18 @@ def compile_lines(model, label, c, row, cats_e, cats_c, eager_peak):
             f"set the pace, so the GPU's saving does not reach the wall clock. Replaying the compiled code from a CUDA "
             f"graph (`reduce-overhead`) removes those launches; how much this costs depends on the reader's CPU.")
     elif c.verdict == "faster":
-        lines.append(
-            f"  Of the gain, {kr:.2f}× is the GPU's own work (the kernel-time speed-up); the rest is the GPU waiting less for the "
-            f"host (busy {prose.pct(c.a.gpu_busy)} eager, {prose.pct(c.b.gpu_busy)} compiled).")
+        host_ratio = c.a.host.median / c.b.host.median
+        if c.speedup > kr and c.b.gpu_busy > c.a.gpu_busy:
+            lines.append(
+                f"  The wall clock gained more than the GPU's own work ({kr:.2f}×, the kernel-time speed-up): the GPU also "
+                f"waits less for the host (busy {prose.pct(c.a.gpu_busy)} eager, {prose.pct(c.b.gpu_busy)} compiled; "
+                f"host enqueue {host_ratio:.2f}× shorter).")
+        else:
+            lines.append(
+                f"  The step is paced by the host: its gain follows the host's enqueue time ({prose.ms(c.a.host.median)} "
+                f"eager, {prose.ms(c.b.host.median)} compiled: {host_ratio:.2f}× shorter, with fewer GPU operations) "
+                f"more than the GPU's own work (kernel-time speed-up {kr:.2f}×; GPU busy {prose.pct(c.a.gpu_busy)} eager, "
+                f"{prose.pct(c.b.gpu_busy)} compiled), so the reader's CPU decides how much of the kernel saving shows.")
     opt_ms = cats_c.get("optimizer", 0.0)
     if opt_ms > 0:
         lines.append(
@@ -1153,7 +1167,7 @@ if not prof.on_gpu:
     print("skipped on CPU: compiling takes minutes on a small CPU")
 elif seconds_left() < 30:
     print(f"skipped: {max(seconds_left(), 0):.0f} s of the chapter's time budget left, 30 s needed for six more "
-          f"compilations (a slower GPU or CPU spent the rest on earlier sections)")
+          f"compilations (the earlier sections used the rest)")
 else:
     from torch._dynamo.testing import CompileCounterWithBackend
     from transformers.models.bert.modeling_bert import BertLayer
@@ -1217,8 +1231,8 @@ if recompiles is not None:
 #
 # Chapter 8 found bert-large at batch 4 host-bound: the CPU needs longer to launch the step's thousands of
 # kernels than the GPU needs to run them. A CUDA graph records the step once and replays it with one launch
-# (chapter 8 showed the recipe: a capturable AdamW, static inputs, warm-up on a side stream). Chapter 8 also
-# saw that under capture no kernel had an attention kernel's name. Here we ask which SDPA backend runs inside
+# (chapter 8 showed the recipe: a capturable AdamW, static inputs, warm-up on a side stream). Chapter 8 passed
+# the batch's all-ones attention mask, and its replay kept a fused attention kernel. Here we ask which SDPA backend runs inside
 # a captured step, by reading the kernel names in the profile, first on a bare SDPA call (bert-large's
 # attention shape: batch 4, 16 heads, 512 tokens, head dimension 64) with and without dropout, then on the
 # model.
@@ -1414,8 +1428,8 @@ if mask_probe is not None:
 # %% [markdown]
 # Now the whole bert-large step at batch 4: eager, against the same step replayed from a CUDA graph. Here the host
 # *is* the lesson: the graph removes the CPU's launches, so its gain depends on how fast this machine's CPU launches
-# kernels (the text below gives the µs per launch). The batch has no padding and, like the other batches of
-# sections 9.3 to 9.6, no `attention_mask`. Two more captures test the probes: the same graph with the batch's
+# kernels (the text below gives the µs per launch). The batch has no padding and, like the batches of
+# sections 9.3 and 9.6, no `attention_mask`. Two more captures test the probes: the same graph with the batch's
 # all-ones `attention_mask` passed explicitly (also timed against eager), and the graph without a mask but with the
 # attention dropout set to 0 while capturing (`attention_probs_dropout_prob`; the other dropouts stay), read for
 # its kernel names only. Each captured graph is compared with the eager step in alternating rounds; both update
@@ -1488,8 +1502,9 @@ def graph_text(result, probe):
     text = [f"Replayed from a graph ({prose.ms(c.b.wall.median)} a step, against {prose.ms(c.a.wall.median)} eager), the "
             f"step is {c.phrase(what='than eager')}; the GPU is busy {prose.pct(c.b.gpu_busy)} of the time instead of "
             f"{prose.pct(c.a.gpu_busy)} (kernel-time speed-up {c.kernel_ratio:.2f}×). The eager step's host "
-            f"spends {timing.us_per_launch(c.a):.0f} µs per GPU operation ({c.a.kernels_per_call:,} of them): that is "
-            f"what the graph saves, so a faster CPU gains less and a slower one more. Eager, attention runs in the "
+            f"spends {timing.us_per_launch(c.a):.0f} µs per GPU operation ({c.a.kernels_per_call:,} of them; Python, the "
+            f"dispatcher, autograd and the launch itself): that is what the graph saves, so a faster CPU gains less and a "
+            f"slower one more. Eager, attention runs in the "
             f"**{att_e}** kernel; inside the graph, **{att_g}**."]
     if probe is not None:
         drop_changes = probe[(0.1, "CUDA graph")] != probe[(0.1, "eager")]
@@ -1703,7 +1718,9 @@ def loader_text(cmp, copy_cmp, waits, tokenise_s, workers):
     text.append(f"With {workers} worker(s) against none, the step is {more.phrase(what='than `num_workers=0`')}, GPU busy "
                 f"{prose.pct(more.b.gpu_busy)}. Against the batches already on the GPU, {workers} worker(s) with pinned "
                 f"memory are {floor.phrase(what='than the batches on the GPU')}"
-                + (": the workers hide the loading completely." if floor.verdict == timing.NO_DIFFERENCE else
+                + (": the workers hide the loading within ±3%." if timing.within_threshold(floor) else
+                   f": no cost of the loading shows at this precision (the interval allows up to {1 / floor.lo - 1:.0%})."
+                   if floor.verdict == timing.NO_DIFFERENCE else
                    ": the workers do not hide all of the loading here; they share this machine's "
                    f"{os.cpu_count()} CPU cores with the training process, which launches the step's kernels."
                    if floor.verdict == "slower" else
@@ -1866,16 +1883,11 @@ def wins_text(cmp):
         text.append(f"Fused AdamW against the default `foreach`: {fused.phrase(what='than foreach')}; kernel-time "
                     f"speed-up {fused.kernel_ratio:.2f}× (the GPU's own work), and the host's enqueue time went from "
                     f"{prose.ms(fused.a.host.median)} to {prose.ms(fused.b.host.median)} per step.")
-        if base.gpu_busy >= 0.9:
-            text.append(f"The baseline step keeps the GPU busy {prose.pct(base.gpu_busy)} of the time, so the wall clock "
-                        f"follows the GPU's work here, and the fused update's saving is what shows. In a host-bound step "
-                        f"(a smaller batch, or a slower CPU than this one's {timing.us_per_launch(base):.0f} µs per "
-                        f"GPU operation) the launches it saves decide instead, and there the reader's CPU decides.")
-        else:
-            text.append(f"The baseline step keeps the GPU busy only {prose.pct(base.gpu_busy)} of the time "
-                        f"({base.verdict}; {timing.us_per_launch(base):.0f} µs of host time per GPU operation), so the "
-                        f"wall clock follows the host: the launches the fused update saves decide this row, and the "
-                        f"reader's CPU decides how much they are worth.")
+        text.append(f"The baseline step keeps the GPU busy {prose.pct(base.gpu_busy)} of the time, with "
+                    f"{timing.us_per_launch(base):.0f} µs of host time per GPU operation: the wall clock follows the "
+                    f"GPU's work in that share of the step, where the fused update's kernel saving shows, and the host's "
+                    f"launches in the rest. In a host-bound step (a smaller batch, or a slower CPU than this one) the "
+                    f"launches the fused update saves decide instead, and there the reader's CPU decides.")
     loop = cmp.get("AdamW for-loop, optimizer step alone")
     if loop is not None:
         extra = loop.b.kernels_per_call - loop.a.kernels_per_call

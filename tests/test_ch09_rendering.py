@@ -131,7 +131,8 @@ def test_packing_text(ns, busy):
            pack: comparison((pad, pack), 1.5, a=a, b=timed(200.0, kernel_ms=180.0))}
     text = clean(ns["packing_text"](table, cmp, pad, group, pack))
     assert "length-grouped, 1.20×, faster than the padded batches" in text
-    assert ("pays in full" in text) == (busy >= 0.9) and ("µs of host time" in text) == (busy < 0.9)
+    # one sentence whatever the busy fraction (no branch on a threshold the busy number may cross between runs)
+    assert f"busy {busy:.0%} of the time, with" in text and "µs of host time" in text and "pays in full" not in text
     assert "**memory-efficient** for the padded batches" in text
 
 
@@ -147,7 +148,8 @@ ROW = {"compile time (s)": 12.3, "peak allocated (GiB)": 10.1, "compilations (fi
     ("fell back", 0.8, 0.95, 60.0, 0.0, "Attention fell back"),
     ("gpu-bound, no gain", 1.0, 0.95, 64.0, 7.6, "which compilation does not replace"),
     ("host-limited", 1.0, 0.64, 50.0, 7.6, "the host's launches set the pace"),
-    ("faster", 1.44, 0.94, 50.0, 7.6, "the GPU waiting less"),
+    ("faster, GPU waits less", 1.44, 0.94, 50.0, 7.6, "the GPU also waits less for the host"),
+    ("faster, host-paced", 1.14, 0.7, 50.0, 7.6, "The step is paced by the host"),
 ])
 def test_compile_lines(ns, case, speedup, busy_b, kernel_b, att_c, expect):
     a = timed(80.8, busy=0.8, kernels=2431, kernel_ms=64.0)
@@ -197,7 +199,7 @@ def test_loader_text(ns, stall, floor, pin):
         assert ("of which about" in text) == (tokenise_s < 0.066) and ("less than the" in text) == (tokenise_s > 0.066)
     assert ("is the stall" in text) == (stall < 1)
     assert "the reference is" not in text
-    assert {1.0: "hide the loading completely", 0.8: "do not hide all", 1.2: "host's variation"}[floor] in text
+    assert {1.0: "hide the loading within ±3%", 0.8: "do not hide all", 1.2: "host's variation"}[floor] in text
     assert ("too little to see" in text) == (pin == 1.0)
 
 
@@ -213,7 +215,7 @@ def test_wins_text(ns, busy):
            "aligned vocabulary": comparison(("vocabulary 30,522", "vocabulary 30,528"), 1.8)}
     text = clean(ns["wins_text"](cmp))
     assert "3,000 more GPU operations" in text and "reader's CPU decides" in text
-    assert ("follows the GPU's work" in text) == (busy >= 0.9)
+    assert f"busy {busy:.0%} of the time, with" in text and "follows the GPU's work in that share" in text
     assert clean(ns["wins_text"]({"aligned vocabulary": cmp["aligned vocabulary"]})).startswith("The vocabulary padded")
 
 
@@ -257,3 +259,19 @@ def test_pack_into_spreads_rows_over_exact_batches():
         packing.pack_into(docs, 32, 50)
     with pytest.raises(ValueError, match="at least 1"):
         packing.pack_into(docs, 32, 0)
+
+
+def test_compile_lines_for_a_graphed_mode_say_what_the_peak_leaves_out(ns):
+    a = timed(113.0, busy=0.57, kernels=2431, kernel_ms=64.0)
+    c = comparison(("eager", "compiled (reduce-overhead)"), 1.93, a=a, b=timed(57.5, busy=0.9, kernels=1977, kernel_ms=51.0))
+    row = dict(ROW, **{"peak reserved (GiB)": 14.2})
+    text = clean("\n".join(ns["compile_lines"]("bert-large-uncased", "compiled (reduce-overhead)", c, row, cats(26.4),
+                                               cats(14.1), 12.45)))
+    assert "outside the CUDA graphs' private memory pool" in text and "peak reserved 14.20 GiB" in text
+
+
+def test_dtype_text_names_only_the_implementations_that_differ(ns):
+    cmp = {("eager", 1024): comparison(("bf16", "fp16"), 1.19), ("eager", 4096): comparison(("bf16", "fp16"), 1.17),
+           ("flash", 1024): comparison(("bf16", "fp16"), 1.0), ("cuDNN", 4096): comparison(("bf16", "fp16"), 1.0)}
+    text = clean(ns["dtype_text"](cmp))
+    assert "in 2 of the 4 cases" in text and "Only eager showed a difference here" in text
