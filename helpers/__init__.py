@@ -30,8 +30,7 @@ Several processes
 - ``launching``   start ``torchrun`` / ``accelerate launch`` from a notebook, stop them cleanly
 
 Time and memory over time (chapter 8)
-- ``profiler``    ``torch.profiler`` reduced to a category table, GPU-busy, phases and a timeline figure; the one
-                  trace reader and interval algebra; communication kernels and their overlap with compute
+- ``profiler``    ``torch.profiler`` reduced to a category table, GPU-busy, phases, a timeline; the one trace reader and interval algebra; communication kernels and their overlap with compute
 - ``timing``      timing GPU work honestly: wall, CUDA-event and host clocks, spread, GPU-busy, a verdict
 - ``memsnap``     the allocator's history: memory over time by origin, its peak, the survivors of a step
 
@@ -39,8 +38,7 @@ Communication (chapter 7)
 - ``collectives`` collectives timed in launched processes (nccl-tests' bus bandwidth)
 
 Planning (chapter 10)
-- ``plan``        a package: predict a training step's peak memory by term and phase, suggest changes,
-                  measure, CLI (``helpers/plan/__init__.py`` maps its modules)
+- ``plan``        a package: predict a training step's peak memory by term and phase, suggest changes, measure, CLI (``helpers/plan/__init__.py`` maps its modules)
 
 Showing results
 - ``plots``       one figure style, stacked memory bars, line series
