@@ -194,3 +194,9 @@ def test_make_can_keep_an_installed_torch():
     assert any(re.search(r'pip install -q "?torch"?$', line) for line in lines), dry.stdout
     readme = (ROOT / "README.md").read_text()
     assert "VENV_ARGS=--system-site-packages TORCH=torch" in readme
+
+
+def test_peft_floor_imports_with_transformers_5():
+    """Colab preinstalls peft 0.17.x, which fails to import under transformers 5 (``HybridCache`` is gone); with a
+    floor below 0.18 pip would keep it and every chapter that imports transformers' Trainer through peft breaks."""
+    assert floor(dependency("peft")) >= (0, 18)
