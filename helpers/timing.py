@@ -587,22 +587,12 @@ def interleaved(
     return Comparison(names[0], names[1], timed[0], timed[1], ratios, gpu_ratios, threshold)
 
 
-def blocks_compared(a: Callable[[], object], b: Callable[[], object], *, device: str | torch.device,
-                    repeat: int = 10, warmup: int = 3) -> str:
-    """The retired method, kept to show why it was retired: time ``a`` as one block, then ``b`` as another,
-    and judge b by ``difference`` (medians against the larger IQR). ``interleaved`` replaces it.
-
-    Introduced in chapter 8, section 8.1.
-    """
-    ta = time_it(a, device=device, warmup=warmup, repeat=repeat, busy=False)
-    tb = time_it(b, device=device, warmup=warmup, repeat=repeat, busy=False)
-    return difference(ta.wall, tb.wall)
-
 
 def blocks(a: Callable[[], object], b: Callable[[], object], *, device: str | torch.device, repeat: int = 10,
            warmup: int = 3) -> dict[str, float | str]:
     """The retired block method with its number: ``a`` timed as one block, then ``b`` as another (``time_it``,
-    no profile), b judged by ``difference`` (medians against the larger IQR), as ``blocks_compared`` does.
+    no profile), b judged by ``difference`` (medians against the larger IQR). ``interleaved`` replaces it; this is kept to
+    show why.
 
     Returns ``{"speed-up": a's median / b's median, "verdict": "faster" | "slower" | "within the noise"}``:
     one row of the table that sets the block method beside ``interleaved``, for the same work on both sides.

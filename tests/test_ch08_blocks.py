@@ -2,37 +2,14 @@
 
 from __future__ import annotations
 
-import types
-
 import pytest
 
 from helpers import timing
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def perf_counter(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock(monkeypatch):
-    c = FakeClock()
-    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=c.perf_counter))
-    return c
-
-
-def work(clock: FakeClock, cost_s: float, slow_until_s: float, slow: float = 1.3):
-    def fn() -> None:
-        clock.now += cost_s * (slow if clock.now < slow_until_s else 1.0)
-    return fn
-
-
 def test_blocks_reports_a_ratio_for_identical_work_on_a_drifting_host(clock):
-    a = work(clock, 0.010, slow_until_s=0.15)
-    b = work(clock, 0.010, slow_until_s=0.15)
+    a = clock.work(0.010, slow_until_s=0.15)
+    b = clock.work(0.010, slow_until_s=0.15)
     row = timing.blocks(a, b, device="cpu", repeat=10, warmup=3)
     assert row["verdict"] == "faster"
     assert row["speed-up"] == pytest.approx(1.3)

@@ -7,39 +7,16 @@ alternating rounds, the per-round ratio stays at 1 and the verdict is "no differ
 
 from __future__ import annotations
 
-import types
-
 import pytest
 
 from helpers import timing
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def perf_counter(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock(monkeypatch):
-    c = FakeClock()
-    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=c.perf_counter))
-    return c
-
-
-def work(clock: FakeClock, cost_s: float, slow_until_s: float, slow: float = 1.3):
-    def fn() -> None:
-        clock.now += cost_s * (slow if clock.now < slow_until_s else 1.0)
-    return fn
-
-
 def test_drifting_host_fools_blocks_but_not_interleaved_rounds(clock):
     # identical work on both sides; the host is 30% slower for the first 0.15 s of fake time
-    a = work(clock, 0.010, slow_until_s=0.15)
-    b = work(clock, 0.010, slow_until_s=0.15)
-    assert timing.blocks_compared(a, b, device="cpu", repeat=10, warmup=3) == "faster"
+    a = clock.work(0.010, slow_until_s=0.15)
+    b = clock.work(0.010, slow_until_s=0.15)
+    assert timing.blocks(a, b, device="cpu", repeat=10, warmup=3)["verdict"] == "faster"
     clock.now = 0.0
     c = timing.interleaved(a, b, device="cpu", rounds=15, warmup=3)
     assert c.verdict == timing.NO_DIFFERENCE
@@ -48,8 +25,8 @@ def test_drifting_host_fools_blocks_but_not_interleaved_rounds(clock):
 
 
 def test_real_difference_is_found_through_the_drift(clock):
-    a = work(clock, 0.012, slow_until_s=0.2)
-    b = work(clock, 0.010, slow_until_s=0.2)
+    a = clock.work(0.012, slow_until_s=0.2)
+    b = clock.work(0.010, slow_until_s=0.2)
     c = timing.interleaved(a, b, device="cpu", rounds=12, warmup=2)
     assert c.verdict == "faster"
     assert c.speedup == pytest.approx(1.2)
@@ -95,8 +72,8 @@ def test_bad_inputs_are_refused():
 
 
 def test_row_carries_ratio_interval_and_verdict(clock):
-    a = work(clock, 0.02, slow_until_s=0.0)
-    b = work(clock, 0.01, slow_until_s=0.0)
+    a = clock.work(0.02, slow_until_s=0.0)
+    b = clock.work(0.01, slow_until_s=0.0)
     row = timing.interleaved(a, b, device="cpu", names=("eager", "compiled"), rounds=10, warmup=0).row()
     assert row["eager (ms)"] == pytest.approx(20.0) and row["candidate (ms)"] == pytest.approx(10.0)
     assert row["speed-up"] == pytest.approx(2.0) and row["verdict"] == "faster" and row["rounds"] == 10

@@ -373,21 +373,6 @@ def test_memsnap_origin(frames, expected):
     assert memsnap.origin(frames) == expected
 
 
-@pytest.mark.parametrize(("name", "gb_s"), [("NVIDIA H100 80GB HBM3", 3350.0), ("NVIDIA H200", 4800.0),
-                                            ("NVIDIA H100 NVL", 3900.0), ("Tesla T4", 320.0), ("NVIDIA L4", 300.0),
-                                            ("NVIDIA L40S", 864.0)])
-def test_datasheet_bandwidth_by_exact_name(name, gb_s):
-    from helpers import gpus
-
-    assert gpus.peak_bandwidth_gb_s(name) == gb_s
-
-
-def test_unknown_bandwidth_is_said_so():
-    from helpers import gpus
-
-    with pytest.raises(ValueError, match="unknown GPU"):
-        gpus.peak_bandwidth_gb_s("NVIDIA A100-SXM4-80GB")
-
 
 def test_time_it_back_to_back_loop_on_cpu():
     calls = []
