@@ -38,8 +38,11 @@ from typing import Any
 
 import torch
 
-# GPU-busy thresholds for the verdict (fractions of the call's wall time).
-GPU_BOUND_BUSY = 0.8
+# GPU-busy thresholds for the verdict (fractions of the call's wall time). Between HOST_LIMITED_BUSY and
+# GPU_BOUND_BUSY the word is "mixed": a band 20 points wide, so that a step whose busy fraction moves by a few
+# points between two runs (or two hosts) does not jump from "host-bound" straight to "GPU-bound".
+GPU_BOUND_BUSY = 0.9
+HOST_LIMITED_BUSY = 0.7
 HOST_BOUND_BUSY = 0.5
 
 
@@ -83,14 +86,15 @@ def verdict(gpu_busy: float | None, host_fraction: float | None) -> str:
     ``host_fraction``: host enqueue time over wall time.
 
     - ``"CPU run"``: no GPU, wall time only;
-    - ``"GPU-bound"``: kernels ran at least ``GPU_BOUND_BUSY`` of the time;
-    - ``"host-bound"``: the CPU needed longer to *issue* the work than the GPU needed to *run* it
-      (``host_fraction > gpu_busy``), and issuing took at least half the wall time: Python, the
-      dispatcher and kernel launches are the limit;
+    - ``"GPU-bound"``: kernels ran at least ``GPU_BOUND_BUSY`` (90%) of the time;
+    - ``"host-bound"``: the GPU was busy less than ``HOST_LIMITED_BUSY`` (70%) of the time, the CPU needed
+      longer to *issue* the work than the GPU needed to *run* it (``host_fraction > gpu_busy``), and issuing
+      took at least half the wall time: Python, the dispatcher and kernel launches are the limit;
     - ``"GPU idle, host waiting"``: the GPU was busy less than ``HOST_BOUND_BUSY`` of the time and
       the host issued work less than half of it: the call waits on something else (a
       synchronisation, a data-loading wait, a CPU-side computation);
-    - ``"mixed"``: in between.
+    - ``"mixed"``: in between, in particular every call with 70% to 90% busy: both sides matter there,
+      and a few points of run-to-run (or host-to-host) variation must not flip the word.
 
     Introduced in chapter 8, section 8.1.
     """
@@ -100,7 +104,8 @@ def verdict(gpu_busy: float | None, host_fraction: float | None) -> str:
         raise ValueError(f"gpu_busy must be a fraction in [0, 1], got {gpu_busy}")
     if gpu_busy >= GPU_BOUND_BUSY:
         return "GPU-bound"
-    if host_fraction is not None and host_fraction >= 0.5 and host_fraction > gpu_busy:
+    if gpu_busy < HOST_LIMITED_BUSY and host_fraction is not None and host_fraction >= 0.5 \
+            and host_fraction > gpu_busy:
         return "host-bound"
     if gpu_busy < HOST_BOUND_BUSY and (host_fraction is None or host_fraction < 0.5):
         return "GPU idle, host waiting"
@@ -318,7 +323,9 @@ def difference(reference: Spread, other: Spread) -> str:
 PRACTICAL_THRESHOLD = 0.03
 #: Rounds of an interleaved comparison unless told otherwise (at least 10: the book's measurement rule).
 ROUNDS = 15
-NO_DIFFERENCE = "no difference beyond the noise"
+# The third verdict: the interval includes 1 (the noise cannot tell the two apart), or it excludes 1 but stays
+# within the practical threshold (a real difference, too small to matter). Both are "no practical difference".
+NO_DIFFERENCE = "no practical difference"
 
 
 def median_interval(samples: tuple[float, ...] | list[float], confidence: float = 0.95) -> tuple[float, float]:
@@ -349,11 +356,12 @@ def median_interval(samples: tuple[float, ...] | list[float], confidence: float 
 
 
 def ratio_verdict(lo: float, hi: float, threshold: float = PRACTICAL_THRESHOLD) -> str:
-    """``"faster"``, ``"slower"`` or ``"no difference beyond the noise"`` for a speed-up's interval.
+    """``"faster"``, ``"slower"`` or ``"no practical difference"`` for a speed-up's interval.
 
     The speed-up is baseline time over candidate time (above 1: the candidate is faster). It is a
     difference only when the *whole* interval lies beyond the practical threshold: ``lo >= 1 + threshold``
-    is faster, ``hi <= 1 / (1 + threshold)`` is slower; anything else is no difference beyond the noise.
+    is faster, ``hi <= 1 / (1 + threshold)`` is slower; anything else is no practical difference (the interval
+    includes 1, or the difference it shows is within the threshold).
 
     Introduced in chapter 8, section 8.1.
     """
@@ -429,7 +437,7 @@ class Comparison:
 
     @property
     def verdict(self) -> str:
-        """``"faster"``/``"slower"`` (b against a, wall time) or ``"no difference beyond the noise"``."""
+        """``"faster"``/``"slower"`` (b against a, wall time) or ``"no practical difference"``."""
         return ratio_verdict(self.lo, self.hi, self.threshold)
 
     @property
@@ -444,7 +452,7 @@ class Comparison:
         The number is always the speed-up (baseline time over candidate time); "slower" rows show it below 1.
         ``what`` is put after the verdict word ("faster than the default").
         """
-        word = self.verdict if self.verdict != NO_DIFFERENCE else "no difference beyond the noise"
+        word = self.verdict
         head = f"{_fmt_ratio(self.speedup)}×"
         tail = f" {what}" if what and self.verdict != NO_DIFFERENCE else ""
         return f"{head}, {word}{tail} (95% interval {_fmt_ratio(self.lo)}–{_fmt_ratio(self.hi)}×, {self.rounds} rounds)"
@@ -607,7 +615,7 @@ def blocks(a: Callable[[], object], b: Callable[[], object], *, device: str | to
 def within_threshold(c: Comparison) -> bool:
     """Whether the whole 95% interval of ``c``'s speed-up lies inside the ±threshold band around 1.
 
-    That is a stronger statement than the verdict ``"no difference beyond the noise"``, which also covers an
+    That is a stronger statement than the verdict ``"no practical difference"``, which also covers an
     interval that straddles the band's edge: inside the band, the data rule out a difference as large as the
     threshold.
 

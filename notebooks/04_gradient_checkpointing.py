@@ -948,7 +948,7 @@ def guide_pair_sentence(c, mem_ratio, gpu_name):
     ratio, lo, hi = 1 / c.speedup, 1 / c.hi, 1 / c.lo  # checkpointed time over plain
     guide = f"the guide measured {85.47 / 66.03:.2f} times on its V100"
     if c.verdict == timing.NO_DIFFERENCE:
-        text = (f"Checkpointing shows no difference beyond the noise in this configuration's step time here ({c.phrase()}), "
+        text = (f"Checkpointing makes no practical difference to this configuration's step time here ({c.phrase()}), "
                 f"where {guide}. ")
     else:
         text = (f"Checkpointing makes this configuration {ratio:.2f} times as slow here (95% interval {lo:.2f}–{hi:.2f}, "
@@ -1136,7 +1136,7 @@ def halves_sentence(kept, halves, attn_share, mlp_share, time_batch):
     text += {"slower": "Recomputing the MLP half costs more time, as its FLOPs say. ",
              "faster": "Recomputing the MLP half costs less time, against its FLOPs: attention's kernels do less work "
                        "per second than the MLP's matrix products. ",
-             timing.NO_DIFFERENCE: "That is no difference beyond the noise (±3%): the extra FLOPs of the MLP half are "
+             timing.NO_DIFFERENCE: "That is no practical difference (within ±3%): the extra FLOPs of the MLP half are "
                                    "too few, against a whole forward and backward pass, to separate the two. "}[halves.verdict]
     return text
 

@@ -265,7 +265,8 @@ else:
 # both alike and their ratio stays. The result is the **median of the per-round ratios** (A's time over B's:
 # above 1, B is faster), with a 95% interval for it taken from the order statistics of the rounds (no
 # assumption about the distribution). B is called *faster* or *slower* only when the whole interval lies
-# beyond ±3% (`timing.PRACTICAL_THRESHOLD`); otherwise the verdict is *no difference beyond the noise*.
+# beyond ±3% (`timing.PRACTICAL_THRESHOLD`); otherwise the verdict is *no practical difference*: either the
+# interval includes 1 (the noise cannot tell A from B) or it lies within ±3% (a real difference, too small to matter).
 # `timing.interleaved(a, b, device=...)` does this, and every comparison of the book from here on comes
 # from it:
 #

@@ -112,7 +112,7 @@ env.report(prof)
 # `timing.interleaved`, which times the baseline and the candidate in alternating rounds (A, B, B, A, …; 15 rounds
 # after warm-up on a GPU), takes the speed-up of each round (the baseline's time over the candidate's: above 1, the
 # candidate is faster) and reports their median with a 95% interval. A change counts as *faster* or *slower* only
-# when the whole interval lies beyond ±3%; otherwise the verdict is *no difference beyond the noise*. Two samples of
+# when the whole interval lies beyond ±3%; otherwise the verdict is *no practical difference*. Two samples of
 # one round run milliseconds apart, so a host whose speed drifts (other processes, clocks) moves both alike: the
 # ratio keeps what separate blocks of timings lose. Each comparison also profiles a few calls of each side for the
 # GPU-busy fraction and the *kernel-time* speed-up, the ratio of the GPU's own work, which a change on the GPU side
@@ -587,7 +587,7 @@ def dtype_text(cmp):
         return (f"In every case that ran, fp16 and bf16 take the same time within the noise (speed-ups of fp16 over bf16 "
                 f"between {lo:.2f} and {hi:.2f}, each interval within ±3%): the choice between them is about range and "
                 f"loss scaling (chapter 5), not attention speed.")
-    return (f"fp16 and bf16 show no difference beyond the noise in {len(same)} of the {len(cmp)} cases; fp16 differs in "
+    return (f"fp16 and bf16 show no practical difference in {len(same)} of the {len(cmp)} cases; fp16 differs in "
             f"these: {'; '.join(differ)}. Only {prose.listing(sorted({impl for (impl, _), c in cmp.items() if c.verdict != timing.NO_DIFFERENCE}))} "
             f"showed a difference here, so measure your own kernel and length before choosing on speed; the argument "
             f"from range and loss scaling (chapter 5) holds either way.")
@@ -1940,7 +1940,7 @@ def closing_text(table, compiled_info):
     """The closing paragraph: how many comparisons went which way, which depend on the host, compile costs, skips."""
     by = {v: table[table["verdict"] == v] for v in ("faster", timing.NO_DIFFERENCE, "slower")}
     text = [f"Of the {len(table)} comparisons, {len(by['faster'])} made the work faster beyond ±3%, "
-            f"{len(by[timing.NO_DIFFERENCE])} showed no difference beyond the noise and {len(by['slower'])} made it slower"
+            f"{len(by[timing.NO_DIFFERENCE])} showed no practical difference and {len(by['slower'])} made it slower"
             + (": " + "; ".join(f"{t} on {m} ({r['speed-up']:.2f}×)" for (t, m), r in by["slower"].iterrows())
                if len(by["slower"]) else "") + "."]
     busy = table["baseline GPU busy"].astype(float)

@@ -67,8 +67,8 @@ MUTANTS = [
            '"temporaries": loss_fwd + kv}', '"temporaries": kv}', PLAN),
     Mutant("M5", "wrong bytes per parameter", "plan.optimizer_state_bytes: AdamW states always fp32",
            "total += 2 * n * e", "total += 2 * n * 4", PLAN),
-    Mutant("M6", "threshold", "timing.GPU_BOUND_BUSY 0.8 -> 0.6",
-           "GPU_BOUND_BUSY = 0.8", "GPU_BOUND_BUSY = 0.6", TIMING),
+    Mutant("M6", "threshold", "timing.GPU_BOUND_BUSY 0.9 -> 0.6",
+           "GPU_BOUND_BUSY = 0.9", "GPU_BOUND_BUSY = 0.6", TIMING),
     # --- the review's survivors among its ten extra mutants
     Mutant("X2", "wrong bytes per parameter", "estimates.BYTES_PER_PARAM['mixed_adamw'] weights 6 -> 4",
            '"mixed_adamw": {"weights": 6,', '"mixed_adamw": {"weights": 4,', ESTIMATES),

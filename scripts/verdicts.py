@@ -3,9 +3,9 @@
 
     python scripts/verdicts.py COMMITTED.ipynb EXECUTED.ipynb    # print the cells whose verdicts differ
 
-A speed conclusion in this book is a *verdict word* in a cell's output: "faster", "slower", "no difference beyond
-the noise" (the interleaved comparison's three outcomes, ``helpers.timing.ratio_verdict``), the older "within the
-noise", and the words for what limits a step ("host-bound", "GPU-bound", "mixed", "GPU idle, host waiting").
+A speed conclusion in this book is a *verdict word* in a cell's output: "faster", "slower", "no practical
+difference" (the interleaved comparison's three outcomes, ``helpers.timing.ratio_verdict``), the older "no
+difference beyond the noise" and "within the noise", and the words for what limits a step ("host-bound", "GPU-bound", "mixed", "GPU idle, host waiting").
 ``make gpu-test`` (scripts/gpu_check.py) re-executes each chapter and compares, cell by cell (matched by cell id),
 the sequence of verdict words in the committed outputs with the new run's. A cell whose sequence differs is a
 *flip*: the experiment's conclusion did not survive a re-run, which the book treats as a bug in the experiment.
@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Longest alternatives first, so "no difference beyond the noise" is not also read as a shorter word.
-WORDS = ("no difference beyond the noise", "within the noise", "GPU idle, host waiting", "host-bound", "GPU-bound",
+# ("no difference beyond the noise" was the third verdict before it became "no practical difference".)
+WORDS = ("no difference beyond the noise", "no practical difference", "within the noise", "GPU idle, host waiting", "host-bound", "GPU-bound",
          "faster", "slower", "mixed")
 PATTERN = re.compile(r"(?<![\w-])(" + "|".join(re.escape(w) for w in WORDS) + r")(?![\w-])")
 MAX_NOISE_SENSITIVE = 3

@@ -69,7 +69,7 @@ def test_ch02_quantile_time_and_layer_speed():
     assert "LLM.int8(), threshold 6 takes 2.60 times as long as bf16 (95% interval" in text and "NF4 takes 1.23 times" in text
     assert "GPU-bound" in text and "kernels' own costs" in text
     cmps["NF4"] = comparison(1.0, names=("bf16", "NF4"))
-    assert "NF4 against bf16: 1.00×, no difference beyond the noise" in f["layer_speed_sentence"](cmps, "bf16", 64, 256)
+    assert "NF4 against bf16: 1.00×, no practical difference" in f["layer_speed_sentence"](cmps, "bf16", 64, 256)
 
 
 # --- chapter 3 -----------------------------------------------------------------------------------------------
@@ -152,7 +152,7 @@ def test_ch04_guide_pair_stack_and_offload():
     host = comparison(1 / 1.64, names=("plain", "ckpt"), busy_a=0.45, busy_b=0.37, host_share=0.95)
     text = f["guide_pair_sentence"](host, 1.0, "H100")
     assert "1.64 times as slow" in text and "µs of this host's time" in text and "faster CPU" in text
-    assert "no difference beyond the noise" in f["guide_pair_sentence"](comparison(1.0), 0.8, "H100")
+    assert "no practical difference" in f["guide_pair_sentence"](comparison(1.0), 0.8, "H100")
     cmps = {k: comparison(1 / r, names=("store everything", k)) for k, r in
             [("recompute attention", 1.13), ("recompute MLP", 1.17), ("recompute whole block", 1.33),
              ("offload to CPU (save_on_cpu)", 5.0)]}
@@ -160,7 +160,7 @@ def test_ch04_guide_pair_stack_and_offload():
     assert f["fastest_title"](cmps, tied).endswith("recompute MLP within the noise of it")
     assert f["fastest_title"](cmps, comparison(1 / 1.1)).endswith(": recompute attention")
     kept = {"recompute attention": 736.0, "recompute MLP": 482.0, "recompute whole block": 64.0}
-    for halves, words in ((tied, "no difference beyond the noise"), (comparison(1 / 1.1), "as its FLOPs say"),
+    for halves, words in ((tied, "no practical difference"), (comparison(1 / 1.1), "as its FLOPs say"),
                           (comparison(1.1), "against its FLOPs")):
         assert words in f["halves_sentence"](kept, halves, 0.38, 0.62, 64)
     assert "are what the prediction counts" in f["whole_block_sentence"](kept, cmps["recompute whole block"])

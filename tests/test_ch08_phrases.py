@@ -73,7 +73,7 @@ def test_methods_text_blocks(ch8, words, expect):
     c = comparison(timed(3), timed(3), 1.0, spread=0.01)
     text = ch8.methods_text(rows, c)
     assert expect in text
-    assert "no difference beyond the noise" in text and "whole interval lies inside ±3%" in text
+    assert "no practical difference" in text and "whole interval lies inside ±3%" in text
     assert "faster" not in text and "slower" not in text  # the block method's words vary from run to run
 
 

@@ -79,15 +79,17 @@ EPS = 1e-9
 
 
 def test_the_printed_thresholds():
-    """The chapters' prose names these numbers (80% busy, 3% practical difference)."""
-    assert timing.GPU_BOUND_BUSY == 0.8 and timing.HOST_BOUND_BUSY == 0.5
+    """The chapters' prose names these numbers (90% busy for GPU-bound, below 70% for host-bound, 3% practical)."""
+    assert timing.GPU_BOUND_BUSY == 0.9 and timing.HOST_LIMITED_BUSY == 0.7 and timing.HOST_BOUND_BUSY == 0.5
     assert timing.PRACTICAL_THRESHOLD == 0.03
 
 
 @pytest.mark.parametrize("busy, host, word", [
-    (0.8, 1.0, "GPU-bound"),               # the cliff: a call that synchronises inside itself (host ~ 1)
-    (0.8 - EPS, 1.0, "host-bound"),        # one hair below 0.8 flips the word
-    (0.8 - EPS, 0.0, "mixed"),
+    (0.9, 1.0, "GPU-bound"),               # a call that synchronises inside itself (host ~ 1)
+    (0.9 - EPS, 1.0, "mixed"),             # below 0.9 it is not GPU-bound, but not host-bound either:
+    (0.7, 1.0, "mixed"),                   # the 70-90% band is "mixed", so a few points never jump two words
+    (0.7 - EPS, 1.0, "host-bound"),        # below 70%, with a host that issued longer than the GPU ran
+    (0.8, 0.0, "mixed"),
     (0.5, 0.4, "mixed"),                   # HOST_BOUND_BUSY: at 0.5 not "idle" ...
     (0.5 - EPS, 0.4, "GPU idle, host waiting"),  # ... below it, with a host that issued little, idle
     (0.3, 0.5, "host-bound"),              # issuing took half the wall time and longer than the GPU ran

@@ -2,7 +2,7 @@
 
 The host's speed drifts: the first calls cost 30% more (another process was busy) and then the host is
 fast again. Both sides do the same work. Timed as two blocks (a first, then b), b looks faster; timed in
-alternating rounds, the per-round ratio stays at 1 and the verdict is "no difference beyond the noise".
+alternating rounds, the per-round ratio stays at 1 and the verdict is "no practical difference".
 """
 
 from __future__ import annotations

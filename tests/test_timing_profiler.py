@@ -33,7 +33,8 @@ def test_spread_needs_samples():
     ("busy", "host", "expected"),
     [
         (0.95, 0.1, "GPU-bound"),
-        (0.8, 1.0, "GPU-bound"),
+        (0.9, 1.0, "GPU-bound"),
+        (0.8, 1.0, "mixed"),  # 70–90% busy: both sides matter
         (0.1, 0.95, "host-bound"),
         (0.34, 0.75, "host-bound"),  # a step whose optimizer tail runs after the host is done
         (0.1, 0.3, "GPU idle, host waiting"),
