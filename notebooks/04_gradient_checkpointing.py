@@ -592,7 +592,7 @@ for name in SETUPS:
                 lambda m=model, o=optimizer, b=batch: steps.train_step(m, o, b),
                 lambda m=model, o=optimizer, b=batch: steps.train_step(m, o, b), device=prof.device,
                 names=("plain", "checkpointed"), setup_a=lambda m=model: set_checkpointing(m, False),
-                setup_b=lambda m=model: set_checkpointing(m, True), rounds=10, warmup=1, profile_steps=1)
+                setup_b=lambda m=model: set_checkpointing(m, True), rounds=20, warmup=1, profile_steps=1)
     freed = cleanup.free(globals(), "model", "optimizer", "attempt", "batch")
 gc_table = pd.DataFrame(gc_rows).set_index(["model", "batch", "checkpointing"]).sort_index()
 shapes = pd.DataFrame(model_shape).T

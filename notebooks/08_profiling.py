@@ -219,8 +219,11 @@ else:
 #
 # If the host needed about as long to *issue* the work as the whole call took, and the GPU was busy only a
 # small part of the time, the GPU was waiting for the CPU: the call is **host-bound** (also called
-# launch-bound or overhead-bound). If the GPU was busy nearly all the time, it is **GPU-bound**. Two
-# extreme cases show both verdicts: 200 additions on a 64 x 64 matrix (tiny kernels) and the large matrix
+# launch-bound or overhead-bound). If the GPU was busy nearly all the time, it is **GPU-bound**.
+# `timing.verdict` draws the lines: GPU-bound from 90% busy; host-bound when the GPU was busy less than 70%
+# of the time and the host issued work for longer than the GPU ran; **mixed** in between, where both sides
+# matter (the 20-point band also keeps a step whose busy fraction moves by a few points between two runs
+# from jumping from one word to the other). Two extreme cases show both verdicts: 200 additions on a 64 x 64 matrix (tiny kernels) and the large matrix
 # product from above.
 
 # %%
@@ -1355,7 +1358,7 @@ else:
 # ## Exercises
 #
 # 1. Run the host-bound sweep (section 8.3) for bert-large instead of the 1.3B model. At which batch size
-#    does the GPU-busy fraction pass 80%?
+#    does the GPU-busy fraction pass 90%?
 #    <details><summary>Hint</summary>In <code>ch3_step</code>, build
 #    <code>models.build("bert-large-uncased", head="sequence-classification", dtype=torch.float16)</code> and take
 #    its batch from <code>batch_of("bert-large-uncased", batch_size)</code> (512 tokens); keep the rest.

@@ -75,8 +75,8 @@ def _timed(rng, ms, busy):
 
 
 def _ladder(rng, busy0, kept):
-    labels = ["0 vanilla: fp32, eager, AdamW for-loop", "1 + batch 32", "2 + fused AdamW", "3 + bf16 autocast",
-              "4 + SDPA attention", "5 + batch 64 (the largest tried)",
+    labels = ["0 vanilla: fp32, eager, AdamW for-loop", "1 + batch 32", "2 + bf16 autocast", "3 + SDPA attention",
+              "4 + fused AdamW", "5 + batch 64 (the largest tried)",
               "6 + torch.compile (regional)" + ("" if kept else ", not kept")]
     ts = [_timed(rng, ms, b) for ms, b in ((150, busy0), (900, 0.97), (890, 0.97), (250, 0.85), (200, 0.95),
                                              (380, 0.98), (300, 0.99))]
@@ -104,7 +104,8 @@ def test_ch10_ladder_sentences_every_branch():
     text = ns["ladder_sentences"]("bert-large", table, timed, notes, labels[6], 35)
     assert "keeps the GPU busy only 76%" in text and "µs each" in text and "it is kept." in text
     assert "short of the 10 times" in text  # the products of the interval ends lie below 10
-    assert text.count("*+ bf16 autocast*") == 2  # once in the rung list, once among the rungs below 90% busy
+    assert text.count("*+ SDPA attention*") == 2  # once in the rung list, once among the rungs below 90% busy
+    assert "7.0 times as many" in text and "timed on its own" in text
     labels, table, timed, notes = _ladder(rng, 0.98, kept=False)
     text = ns["ladder_sentences"]("bert-large", table, timed, notes, labels[5], 35)
     assert "already keeps the GPU busy" in text and "it is not kept." in text
