@@ -237,10 +237,10 @@ for name in SETUPS:
                                             warmup=1, profile_steps=1)
     sweep[name] = pd.DataFrame.from_dict(rows, orient="index").rename_axis("batch")
     cleanup.free(globals(), "model", "optimizer", "attempt", "row", "one", "more")
-sweep["bert-large-uncased"]
+sweep["bert-large-uncased"].drop(columns="verdict", errors="ignore")  # a row's regime: its GPU-busy column (the text names the clear ones)
 
 # %%
-sweep["polyglot-ko-1.3b"]
+sweep["polyglot-ko-1.3b"].drop(columns="verdict", errors="ignore")
 
 # %% [markdown]
 # **The fixed part and the part per sample.** Memory after the forward pass should be a straight line in the
