@@ -92,6 +92,31 @@ def report(prof: _profiles.Profile | None = None) -> pd.DataFrame:
     return pd.DataFrame({"value": rows})
 
 
+def start(float_format: str = "{:,.2f}") -> _profiles.Profile:
+    """The setup every chapter runs after its imports; returns the run profile.
+
+    The book's plot style (``plots.use_style``), pandas' number format, the run profile
+    (``profiles.get``), and the report of hardware and versions shown as the cell's output.
+
+    >>> prof = env.start()
+
+    Introduced in chapter 1's setup cell.
+    """
+    from helpers import plots  # here, not at the top: matplotlib's import is the chapter's, after quiet()
+
+    plots.use_style()
+    pd.options.display.float_format = float_format.format
+    prof = _profiles.get()
+    table = report(prof)
+    try:
+        from IPython.display import display
+    except ImportError:  # a plain script
+        print(table.to_string())
+    else:
+        display(table)
+    return prof
+
+
 def _short_warning(message, category, filename, lineno, line=None) -> str:
     return f"{category.__name__}: {message}\n"
 

@@ -81,3 +81,44 @@ def make_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: d
             optimizer.zero_grad(set_to_none=True)
 
     return step
+
+
+def two_models(prof) -> dict[str, dict]:
+    """The two setups that chapter 3 measures and chapter 4 measures again, by model name.
+
+    bert-large (sequence classification, 512 tokens, fp32 weights, SDPA attention) and the GPT-NeoX shape of
+    polyglot-ko-1.3b (causal LM, 256 tokens, fp16 weights, eager attention). ``prof`` is the run profile: the
+    tiny profile shortens the sequences and keeps the 1.3B model's twin in fp32 (CPUs are slow at fp16).
+
+    Introduced in chapter 3, section 3.1.
+    """
+    return {
+        "bert-large-uncased": dict(head="sequence-classification", dtype=torch.float32, attn_implementation="sdpa",
+                                   seq_len=prof.pick(tiny=64, full=512)),
+        "polyglot-ko-1.3b": dict(head="causal-lm", dtype=prof.pick(tiny=torch.float32, full=torch.float16),
+                                 attn_implementation="eager", seq_len=prof.pick(tiny=64, full=256)),
+    }
+
+
+def build(setups: dict[str, dict], name: str, seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """``setups[name]``'s model in training mode and a plain AdamW (weight decay off; lr 1e-5, which only the
+    chapters that train read).
+
+    Introduced in chapter 3, section 3.1.
+    """
+    from helpers import models  # here: models imports transformers, which a batch alone does not need
+
+    setup = setups[name]
+    model = models.build(name, head=setup["head"], dtype=setup["dtype"],
+                         attn_implementation=setup["attn_implementation"], seed=seed).train()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
+
+
+def batch_of(setups: dict[str, dict], name: str, batch_size: int, *, device: str | torch.device, seed: int = 0
+             ) -> dict[str, torch.Tensor]:
+    """``batch_size`` random sequences for ``setups[name]`` (its task and length), on ``device`` (``batch_for``).
+
+    Introduced in chapter 3, section 3.1.
+    """
+    task = "classification" if setups[name]["head"] == "sequence-classification" else "causal-lm"
+    return batch_for(task, batch_size, setups[name]["seq_len"], device, seed=seed)

@@ -64,10 +64,7 @@ from transformers import Trainer, TrainingArguments
 from helpers import accounting, cleanup, data, estimates, gpus, measure, models, plots, profiles, timing
 from helpers.measure import GIB, MIB
 
-plots.use_style()
-pd.options.display.float_format = "{:,.2f}".format
-prof = profiles.get()
-env.report(prof)
+prof = env.start()  # plot style, number format, run profile; the table below names hardware and versions
 
 # %% [markdown]
 # ## 1.1 An empty GPU, the CUDA context, and the weights

@@ -61,11 +61,8 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig, GemmaConfig, 
 from helpers import accounting, cleanup, gpus, models, plots, profiles, timing
 from helpers.measure import GIB, MIB
 
-plots.use_style()
-pd.options.display.float_format = "{:,.4g}".format
-prof = profiles.get()
+prof = env.start("{:,.4g}")  # plot style, number format, run profile; the table below names hardware and versions
 baseline_mib = torch.cuda.memory_allocated() / MIB if prof.on_gpu else 0.0  # checked in the last cell
-env.report(prof)
 
 # %% [markdown]
 # ## 2.1 Formats: sign, exponent, mantissa

@@ -53,6 +53,7 @@ from helpers import env
 env.quiet()  # warnings without file paths, no progress bars: outputs that read the same everywhere
 
 import contextlib
+import functools
 import io
 import time
 from contextlib import nullcontext
@@ -67,10 +68,7 @@ from transformers import Trainer, TrainingArguments
 from helpers import accounting, batching, cleanup, data, flops, measure, models, plots, profiles, steps
 from helpers.measure import GIB, MIB
 
-plots.use_style()
-pd.options.display.float_format = "{:,.2f}".format
-prof = profiles.get()
-env.report(prof)
+prof = env.start()  # plot style, number format, run profile; the table below names hardware and versions
 
 # %% [markdown]
 # Some experiments emulate Colab's T4 on a larger card, as in chapter 1: `measure.t4_budget` caps PyTorch's
@@ -126,26 +124,9 @@ if profiles.cuda_or_skip("emulating a T4 needs a GPU"):
 # Its `finally` clause matters later: a step that fails half-way must not leave gradients behind.
 
 # %%
-SETUPS = {
-    "bert-large-uncased": dict(head="sequence-classification", dtype=torch.float32, attn_implementation="sdpa",
-                               seq_len=prof.pick(tiny=64, full=512)),
-    "polyglot-ko-1.3b": dict(head="causal-lm", dtype=prof.pick(tiny=torch.float32, full=torch.float16),
-                             attn_implementation="eager", seq_len=prof.pick(tiny=64, full=256)),
-}  # (the tiny profile keeps the 1.3B model's twin in fp32: CPUs are slow at fp16)
-
-
-def build(name, seed=0):
-    """The model of ``SETUPS[name]`` and a plain AdamW (weight decay off, lr irrelevant for memory)."""
-    setup = SETUPS[name]
-    model = models.build(name, head=setup["head"], dtype=setup["dtype"],
-                         attn_implementation=setup["attn_implementation"], seed=seed).train()
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
-
-
-def make_batch(name, batch_size, seed=0):
-    """``batch_size`` random sequences for model ``name``, on the profile's device (``steps.batch_for``)."""
-    task = "classification" if SETUPS[name]["head"] == "sequence-classification" else "causal-lm"
-    return steps.batch_for(task, batch_size, SETUPS[name]["seq_len"], prof.device, seed=seed)
+SETUPS = steps.two_models(prof)  # bert-large at 512 tokens in fp32, the 1.3B GPT-NeoX at 256 in fp16
+build = functools.partial(steps.build, SETUPS)  # build(name, seed=0): the model and a plain AdamW
+make_batch = functools.partial(steps.batch_of, SETUPS, device=prof.device)  # make_batch(name, batch_size, seed=0)
 
 
 # %% [markdown]

@@ -51,6 +51,7 @@ from helpers import env
 
 env.quiet()  # warnings without file paths, no progress bars: outputs that read the same everywhere
 
+import functools
 import math
 import weakref
 from contextlib import nullcontext
@@ -64,13 +65,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from helpers import accounting, batching, cleanup, gpus, measure, models, plots, profiles, steps
+from helpers import accounting, batching, cleanup, gpus, measure, profiles, steps
 from helpers.measure import GIB, MIB
 
-plots.use_style()
-pd.options.display.float_format = "{:,.2f}".format
-prof = profiles.get()
-env.report(prof)
+prof = env.start()  # plot style, number format, run profile; the table below names hardware and versions
 
 # %% [markdown]
 # As in chapter 3, we measure this process's CUDA context first, so that section 4.3 can emulate a T4 (14.75
@@ -497,25 +495,9 @@ freed = cleanup.free(globals(), "block", "block_x", "plain_grads", "ckpt_grads",
 # %%
 import transformers
 
-SETUPS = {
-    "bert-large-uncased": dict(head="sequence-classification", dtype=torch.float32, attn_implementation="sdpa",
-                               seq_len=prof.pick(tiny=64, full=512)),
-    "polyglot-ko-1.3b": dict(head="causal-lm", dtype=prof.pick(tiny=torch.float32, full=torch.float16),
-                             attn_implementation="eager", seq_len=prof.pick(tiny=64, full=256)),
-}  # (the tiny profile keeps the 1.3B model's twin in fp32: CPUs are slow at fp16)
-
-
-def build(name, seed=0):
-    setup = SETUPS[name]
-    model = models.build(name, head=setup["head"], dtype=setup["dtype"],
-                         attn_implementation=setup["attn_implementation"], seed=seed).train()
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
-
-
-def make_batch(name, batch_size, seed=0):
-    """Chapter 3's batch for model ``name``: ``steps.batch_for`` with the model's task and length."""
-    task = "classification" if SETUPS[name]["head"] == "sequence-classification" else "causal-lm"
-    return steps.batch_for(task, batch_size, SETUPS[name]["seq_len"], prof.device, seed=seed)
+SETUPS = steps.two_models(prof)  # bert-large at 512 tokens in fp32, the 1.3B GPT-NeoX at 256 in fp16
+build = functools.partial(steps.build, SETUPS)  # build(name, seed=0): the model and a plain AdamW
+make_batch = functools.partial(steps.batch_of, SETUPS, device=prof.device)  # make_batch(name, batch_size, seed=0)
 
 
 RENAMED = hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable")

@@ -61,14 +61,11 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 
-from helpers import accounting, cleanup, data, estimates, flops, gpus, measure, models, plan, plots, profiles
+from helpers import accounting, cleanup, data, estimates, flops, gpus, measure, models, plan, profiles
 from helpers.measure import GIB, MIB
 
-plots.use_style()
-pd.options.display.float_format = "{:,.2f}".format
-prof = profiles.get()
+prof = env.start()  # plot style, number format, run profile; the table below names hardware and versions
 dev = prof.device
-env.report(prof)
 
 # %% [markdown]
 # The first cell that touches the GPU notes what PyTorch has allocated before any experiment, so that the last

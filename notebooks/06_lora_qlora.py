@@ -73,12 +73,9 @@ from helpers.measure import GIB, MIB
 
 hf_logging.disable_progress_bar()  # from_pretrained and save_pretrained draw no progress bars
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")  # a deprecation between libraries
-plots.use_style()
-pd.options.display.float_format = "{:,.2f}".format
-prof = profiles.get()
+prof = env.start()  # plot style, number format, run profile; the table below names hardware and versions
 dev = prof.device
 nvml_before_cuda = measure.nvml_used_mib() if prof.on_gpu else None  # section 6.3 needs the CUDA context's size
-env.report(prof)
 
 # %% [markdown]
 # The first cell that touches the GPU notes what PyTorch has allocated before any experiment, so that the last

@@ -90,13 +90,10 @@ from helpers import (
 from helpers.gpus import T4_MEMORY_GIB
 from helpers.measure import GIB, MIB
 
-plots.use_style()
-pd.options.display.float_format = "{:,.2f}".format
-prof = profiles.get()
+prof = env.start()  # plot style, number format, run profile; the table below names hardware and versions
 SCRIPTS = Path("scripts")  # the launched scripts, next to this notebook
 WORK = Path("trainer_tmp_ch7")  # the launched processes write their results here; removed at the end
 chapter_baseline_mib = torch.cuda.memory_allocated() / MIB if prof.on_gpu else 0.0  # this process's; checked at the end
-env.report(prof)
 
 # %% [markdown]
 # ## 7.1 Data parallelism: every GPU a replica, gradients averaged

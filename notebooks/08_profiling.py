@@ -80,7 +80,6 @@ from helpers import (
     measure,
     memsnap,
     models,
-    plots,
     profiler,
     profiles,
     prose,
@@ -89,12 +88,9 @@ from helpers import (
 )
 from helpers.measure import GIB, MIB
 
-plots.use_style()
-pd.options.display.float_format = "{:,.2f}".format
+prof = env.start()  # plot style, number format, run profile; the table below names hardware and versions
 pd.options.display.max_colwidth = None  # row labels and kernel names printed whole, not cut at 50 characters
-prof = profiles.get()
 dev = prof.device
-env.report(prof)
 
 # %% [markdown]
 # The first cell that touches the GPU notes what PyTorch has allocated before any experiment (nothing),

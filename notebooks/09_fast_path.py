@@ -87,7 +87,6 @@ from helpers import (
     measure,
     models,
     packing,
-    plots,
     profiler,
     profiles,
     prose,
@@ -96,11 +95,8 @@ from helpers import (
 )
 from helpers.measure import MIB
 
-plots.use_style()
-pd.options.display.float_format = "{:,.2f}".format
-prof = profiles.get()
+prof = env.start()  # plot style, number format, run profile; the table below names hardware and versions
 dev = prof.device
-env.report(prof)
 
 # %% [markdown]
 # As in chapter 8, the first cell that touches the GPU notes the allocated memory (nothing yet) for the

@@ -72,7 +72,6 @@ from helpers import (
     measure,
     models,
     plan,
-    plots,
     profiles,
     prose,
     steps,
@@ -80,11 +79,8 @@ from helpers import (
 )
 from helpers.measure import GIB, MIB
 
-plots.use_style()
-pd.options.display.float_format = "{:,.2f}".format
-prof = profiles.get()
+prof = env.start()  # plot style, number format, run profile; the table below names hardware and versions
 dev = prof.device
-env.report(prof)
 
 # %% [markdown]
 # Before anything touches the GPU we read NVML's *used* memory, so that the CUDA context can be measured

@@ -102,3 +102,19 @@ GPU 2: Tesla T4 (UUID: GPU-cccc)
 def test_nvlink_status_without_nvidia_smi(monkeypatch):
     monkeypatch.setattr(env.shutil, "which", lambda name: None)
     assert env.nvlink_status() is None
+
+
+def test_start_sets_the_format_shows_the_report_and_returns_the_profile(monkeypatch, capsys):
+    import pandas as pd
+
+    monkeypatch.setenv(profiles.ENV_VAR, "tiny")
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda obj: shown.append(obj))
+    old = pd.options.display.float_format
+    try:
+        prof = env.start("{:,.3f}")
+        assert prof == profiles.get() and prof.name == "tiny"
+        assert pd.options.display.float_format(1234.5) == "1,234.500"
+        assert len(shown) == 1 and shown[0].loc["profile", "value"].startswith("tiny")
+    finally:
+        pd.options.display.float_format = old

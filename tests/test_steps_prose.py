@@ -68,3 +68,18 @@ def test_say_prints_outside_ipython(capsys, monkeypatch):
     monkeypatch.setattr(IPython, "get_ipython", lambda: None)  # another test may have started a shell
     prose.say("**hello**")
     assert capsys.readouterr().out.strip() == "**hello**"
+
+
+def test_two_models_build_and_batch_of_follow_the_profile():
+    from helpers import profiles
+
+    tiny, full = profiles.Profile("tiny", "cpu"), profiles.Profile("full", "cpu")
+    assert steps.two_models(full)["bert-large-uncased"]["seq_len"] == 512
+    assert steps.two_models(full)["polyglot-ko-1.3b"]["dtype"] == torch.float16
+    setups = steps.two_models(tiny)
+    assert setups["polyglot-ko-1.3b"]["dtype"] == torch.float32 and setups["polyglot-ko-1.3b"]["seq_len"] == 64
+    b = steps.batch_of(setups, "bert-large-uncased", 3, device="cpu", seed=1)
+    assert b["input_ids"].shape == (3, 64) and "labels" in b
+    assert torch.equal(b["input_ids"], steps.batch_of(setups, "bert-large-uncased", 3, device="cpu", seed=1)["input_ids"])
+    lm = steps.batch_of(setups, "polyglot-ko-1.3b", 2, device="cpu")
+    assert torch.equal(lm["labels"], lm["input_ids"])
