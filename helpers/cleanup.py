@@ -187,7 +187,7 @@ def baseline() -> Baseline:
     >>> start = cleanup.baseline()          # first cells of a chapter
     >>> cleanup.back_at_baseline(start)     # its last cell, on a GPU
 
-    Not used in a chapter yet: chapters 3, 4, 7, 8 and 9 pass ``back_at_baseline`` a number they read themselves.
+    Not used in a chapter yet: the chapters pass ``back_at_baseline`` a number they read themselves.
     """
     _release_all()
     return Baseline(measure.allocator_mib()["allocated_mib"])
@@ -210,7 +210,7 @@ def back_at_baseline(start: Baseline | float, tolerance_mib: float = 0.01) -> di
 
     >>> rows = back_at_baseline(baseline_mib)      # the last cell of a chapter, on a GPU
 
-    Introduced in chapter 3's last cell (Memory back at the baseline); chapters 4, 7, 8 and 9 end with it too.
+    Introduced in chapter 3's last cell (Memory back at the baseline); every chapter ends with it.
     """
     baseline_mib = float(start.allocated_mib if isinstance(start, Baseline) else start)
     if baseline_mib != baseline_mib or baseline_mib < 0:
@@ -222,7 +222,11 @@ def back_at_baseline(start: Baseline | float, tolerance_mib: float = 0.01) -> di
     _release_all()
     end_mib = measure.allocator_mib()["allocated_mib"]
     if end_mib > baseline_mib + tolerance_mib:
-        raise LeakError(f"{end_mib - baseline_mib:.2f} MiB still allocated at the end (start {baseline_mib:.2f} MiB): a leak")
+        import gc
+
+        live = [(tuple(t.shape), str(t.dtype)) for t in gc.get_objects() if torch.is_tensor(t) and t.is_cuda]
+        raise LeakError(f"{end_mib - baseline_mib:.2f} MiB still allocated at the end (start {baseline_mib:.2f} MiB): "
+                        f"a leak; CUDA tensors Python still holds (shape, dtype; at most 20): {live[:20]}")
     return {
         "allocated before clearing the cuBLAS workspaces (MiB)": held_mib,
         "allocated at the end (MiB)": end_mib,

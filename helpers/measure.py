@@ -423,6 +423,25 @@ def t4_budget(nvml_before_mib: float, device: int = 0, card_gib: float = T4_MEMO
     return Budget(card_gib=card_gib, context_gib=ctx, card_name=card_name)
 
 
+def t4_start() -> tuple[Budget, float]:
+    """The first GPU cell of a chapter that emulates a T4: measure this process's CUDA context with cuBLAS loaded
+    (one small matrix product in fp32 and one in fp16, as the chapter's own products will load it), then clear
+    cuBLAS's workspaces (the chapter's last cell clears them too, so both ends exclude them). Returns the T4
+    budget (``t4_budget``) and the allocated MiB at this point: the chapter's baseline, checked at its end.
+    Call it before anything else touches the GPU.
+
+    >>> budget, baseline_mib = measure.t4_start()
+
+    Introduced in chapter 3's first GPU cell (chapter 1, section 1.5, explains the budget).
+    """
+    nvml_before = nvml_used_mib()
+    for dtype in (torch.float32, torch.float16):
+        torch.ones(256, 256, device="cuda", dtype=dtype) @ torch.ones(256, 256, device="cuda", dtype=dtype)
+    budget = t4_budget(nvml_before)
+    torch._C._cuda_clearCublasWorkspaces()
+    return budget, torch.cuda.memory_allocated() / MIB
+
+
 # Fractions set by gpu_budget on each device, innermost last: what to restore on exit where torch cannot
 # report the current fraction (get_per_process_memory_fraction is recent).
 _budget_stack: dict[int, list[float]] = {}

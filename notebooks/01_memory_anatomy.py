@@ -853,14 +853,8 @@ else:
 # %%
 cleanup.free(globals(), "timing_model", "model", "optimizer", "batch", "tiny_batch", "ds", "fwd", "fwd_bwd", "loss",
              "saved", "saved_fp32", "saved_amp")
-if prof.on_gpu:
-    held_mib = torch.cuda.memory_allocated() / MIB
-    torch._C._cuda_clearCublasWorkspaces()
-    cleanup.collect()
-    end_mib = torch.cuda.memory_allocated() / MIB
-    print(f"allocated before releasing cuBLAS's workspaces: {held_mib:,.1f} MiB; at the end: {end_mib:,.1f} MiB; "
-          f"at the start: {baseline_mib:,.1f} MiB")
-    assert end_mib <= baseline_mib + 0.01, f"{end_mib - baseline_mib:.2f} MiB still allocated: something leaked"
+if prof.on_gpu:  # cleanup.back_at_baseline: collect, release cuBLAS's workspaces, compare; LeakError if not back
+    display(pd.Series(cleanup.back_at_baseline(baseline_mib)).to_frame("value"))
 else:
     print("skipped on CPU: no GPU memory to check")
 

@@ -1107,13 +1107,7 @@ display(Markdown(
 
 # %%
 cleanup.free(globals(), "layers", "layer", "reference", "x_in", "x_out", "y_ref", "y_ref_out", "labels", "probe", "logits")
-if prof.on_gpu:
-    held_mib = torch.cuda.memory_allocated() / MIB
-    torch._C._cuda_clearCublasWorkspaces()
-    cleanup.collect()
-    end_mib = torch.cuda.memory_allocated() / MIB
-    print(f"allocated before releasing cuBLAS's workspaces: {held_mib:,.1f} MiB; at the end: {end_mib:,.1f} MiB; "
-          f"at the start: {baseline_mib:,.1f} MiB")
-    assert end_mib <= baseline_mib + 0.01, f"{end_mib - baseline_mib:.2f} MiB still allocated: something leaked"
+if prof.on_gpu:  # cleanup.back_at_baseline: collect, release cuBLAS's workspaces, compare; LeakError if not back
+    display(pd.Series(cleanup.back_at_baseline(baseline_mib)).to_frame("value"))
 else:
     print("skipped on CPU: no GPU memory to check")

@@ -89,13 +89,8 @@ from helpers import prose, timing
 
 t4_budget_gib, chapter_baseline_mib = None, 0.0
 if profiles.cuda_or_skip("emulating a T4 needs a GPU"):
-    nvml_before = measure.nvml_used_mib()
-    for dtype in (torch.float32, torch.float16):
-        torch.ones(256, 256, device="cuda", dtype=dtype) @ torch.ones(256, 256, device="cuda", dtype=dtype)
-    budget = measure.t4_budget(nvml_before)
+    budget, chapter_baseline_mib = measure.t4_start()  # the context with cuBLAS loaded; the chapter's baseline
     t4_budget_gib = budget.budget_gib
-    torch._C._cuda_clearCublasWorkspaces()  # the end of the chapter clears them too, so both ends exclude them
-    chapter_baseline_mib = torch.cuda.memory_allocated() / MIB
     print(f"emulated T4: {budget.describe()}")
     print(f"allocated at the start (the chapter's baseline): {chapter_baseline_mib:,.1f} MiB")
 

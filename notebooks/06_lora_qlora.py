@@ -1256,16 +1256,7 @@ else:
 
 # %%
 freed = cleanup.free(globals(), "check")
-if prof.on_gpu:
-    torch._C._cuda_clearCublasWorkspaces()  # PyTorch's own (private) call for this
-    cleanup.collect()
-    end_mib = torch.cuda.memory_allocated() / MIB
-    print(f"allocated at the start: {baseline_mib:,.2f} MiB; at the end: {end_mib:,.2f} MiB")
-    if end_mib > baseline_mib + 0.01:  # name what is still alive before failing
-        import gc
-
-        live = [(tuple(t.shape), str(t.dtype)) for t in gc.get_objects() if torch.is_tensor(t) and t.is_cuda]
-        print(f"CUDA tensors Python still holds: {live[:20]}")
-    assert end_mib <= baseline_mib + 0.01, f"{end_mib - baseline_mib:.2f} MiB still allocated: something leaked"
+if prof.on_gpu:  # cleanup.back_at_baseline: collect, release cuBLAS's workspaces, compare; LeakError if not back
+    display(pd.Series(cleanup.back_at_baseline(baseline_mib)).to_frame("value"))
 else:
     print("skipped on CPU: no GPU memory to check")

@@ -1212,12 +1212,7 @@ if recipe_run is not None:
 
 # %%
 cleanup.collect()
-if prof.on_gpu:
-    torch._C._cuda_clearCublasWorkspaces()  # PyTorch's own (private) call for this
-    cleanup.collect()
-    end_mib = torch.cuda.memory_allocated() / MIB
-    display(pd.Series({"allocated at the start (MiB)": baseline_mib, "allocated at the end (MiB)": end_mib},
-                      name="value").to_frame())
-    assert end_mib <= baseline_mib + 0.01, f"{end_mib - baseline_mib:.2f} MiB still allocated: something leaked"
+if prof.on_gpu:  # cleanup.back_at_baseline: collect, release cuBLAS's workspaces, compare; LeakError if not back
+    display(pd.Series(cleanup.back_at_baseline(baseline_mib)).to_frame("value"))
 else:
     print("skipped on CPU: no GPU memory to check")
