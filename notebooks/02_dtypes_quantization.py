@@ -322,8 +322,7 @@ display(Markdown(
     + (f"Before it stalls, the fp16 sum runs *ahead* of the exact one, by up to {ahead.max():.2f} (after "
        f"{ahead.idxmax():,} terms): just below the stall, the gap between neighbours lies between 0.01 and 0.02, so "
        "each addition of 0.01 rounds up to a whole gap. " if ahead.max() > 0.05 else "")
-    + 
-    f"`torch.sum` over the same fp16 values gives {final['torch.sum of fp16 values']:g}"
+    + f"`torch.sum` over the same fp16 values gives {final['torch.sum of fp16 values']:g}"
     + (", right to fp16's precision, because it accumulates in fp32." if abs(final["torch.sum of fp16 values"] - 100) < 0.5
        else ", not 100: this build does not accumulate fp16 sums in fp32.")
 ))
