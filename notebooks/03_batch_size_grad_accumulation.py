@@ -1174,7 +1174,7 @@ closing[[c for c in order if c in closing.columns]]
 #
 #    <details><summary>Answer</summary>
 #
-#    At 256 tokens, 16 heads and hidden size 2048 the $s^2$ term is roughly a quarter of a layer's activation bytes, ($5as/(34h + 5as) \approx 0.23$), so the layers' per-sample cost falls by about that much and the largest batch grows by roughly a quarter to a third (less where the logits and the loss, which SDPA does not touch, take a larger part of a sample's bytes).
+#    At 256 tokens, 16 heads and hidden size 2048 the $s^2$ term is roughly a quarter of a layer's activation bytes ($5as/(34h + 5as) \approx 0.23$), so the layers' per-sample cost falls by about that much and the largest batch grows by roughly a quarter to a third (less where the logits and the loss, which SDPA does not touch, take a larger part of a sample's bytes).
 #
 #    </details>
 #
