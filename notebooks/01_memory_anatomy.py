@@ -228,6 +228,32 @@ else:
     print("skipped on CPU: NVML memory and the comparison with the guide's V100 need the full-size run on a GPU")
 
 # %% [markdown]
+# The same readings as a picture: what NVML's *used* holds at the end of each epoch, split into what was on the
+# card before this process started, this process's CUDA context and libraries (section 1.1), the peak of live
+# tensors, and the rest (the allocator's cache, and kernels loaded after section 1.1). The guide printed one
+# number, so its bar is not split.
+
+# %%
+if profiles.cuda_or_skip("NVML reads an NVIDIA GPU's memory") and prof.is_full:
+    nvml_split, ok_rows = {}, {k: r for k, r in trainer_rows.items() if r["result"] == "ok"}
+    for label, r in ok_rows.items():
+        known = {"before this process": nvml_used["before any CUDA call"],
+                 "CUDA context and libraries": context_mib + cublas_mib,
+                 "peak of live tensors": r["peak allocated (MiB)"]}
+        rest = max(r["NVML used (MiB)"] - sum(known.values()), 0.0)  # the allocator's cache, kernels loaded later
+        nvml_split[f"{label.split()[0]}, this run"] = known | {"cache and the rest": rest}
+    nvml_split["the guide's V100"] = {"not split": float(hf_docs_v100["NVML used (MiB)"])}
+    nvml_split = pd.DataFrame(nvml_split).T.fillna(0.0) * MIB / GIB
+    live_share = [f"{v['peak of live tensors'] / v.sum():.0%} ({k.split(',')[0]})"
+                  for k, v in nvml_split.iterrows() if v["not split"] == 0]
+    fig = plots.stacked_bar(
+        nvml_split, ylabel="NVML used at the end of the epoch (GiB)",
+        title="bert-large, batch 4, one epoch:\nlive tensors are "
+              + (" and ".join(live_share) if live_share else "not measured (no epoch completed)") + " of NVML's used",
+        colors={"before this process": "#C7C7C7", "CUDA context and libraries": "#937860",
+                "peak of live tensors": "#4C72B0", "cache and the rest": "#DD8452", "not split": "#8C8C8C"})
+
+# %% [markdown]
 # First we give the memory back. `cleanup.free` deletes the names, runs the garbage collector and empties
 # the allocator's cache; what it reports is what came back.
 
