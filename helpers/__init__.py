@@ -43,6 +43,9 @@ Planning (chapter 10)
 Showing results
 - ``plots``       one figure style, stacked memory bars, line series
 - ``prose``       phrase helpers for the sentences that quote a run: listings, units, ``say``
+
+Exercises
+- ``exercises``   check a reader's numeric answer to an exercise: right, close, or a nudge (never the answer)
 """
 
 __version__ = "0.1.0"

@@ -206,12 +206,15 @@ if prof.is_full and prof.on_gpu and baseline["result"] == "ok":
             "and the optimizer's implementation (transformers' own AdamW then, PyTorch's now) also differ between "
             "versions and cards."
         )
+    before_mib = nvml_used["before any CUDA call"]
     display(Markdown(
         f"Here the epoch took {baseline['time (s)']:.1f} s at {baseline['samples/s']:.1f} samples/s, "
-        f"{baseline['samples/s'] / hf_docs_v100['samples/s']:.1f} times the V100's throughput, and with SDPA the "
-        f"process held {sdpa_mib:,.0f} MiB ({sdpa_mib * MIB / GIB:.1f} GiB) by NVML, of which at most "
-        f"{baseline['peak allocated (MiB)']:,.0f} MiB were ever in live tensors. The rest is the CUDA context and "
-        "the allocator's cache: freed blocks that PyTorch keeps for reuse instead of returning them to the driver. "
+        f"{baseline['samples/s'] / hf_docs_v100['samples/s']:.1f} times the V100's throughput. With SDPA the card "
+        f"showed {sdpa_mib:,.0f} MiB ({sdpa_mib * MIB / GIB:.1f} GiB) used by NVML at the end, {before_mib:,.0f} MiB "
+        "of it already there before this process started (section 1.1; NVML's *used* is the whole card's). Of the "
+        f"rest, at most {baseline['peak allocated (MiB)']:,.0f} MiB were ever in live tensors; the remainder is this "
+        "process's CUDA context and the allocator's cache: freed blocks that PyTorch keeps for reuse instead of "
+        "returning them to the driver. "
         f"{gap_text} Either way, the live tensors alone peaked at "
         f"{baseline['peak allocated (MiB)'] / bert_weights_mib:.1f} times the model's {bert_weights_mib:,.0f} MiB "
         "of weights, at a batch of four. The rest of the chapter finds out why."
@@ -222,10 +225,32 @@ else:
     print("skipped on CPU: NVML memory and the comparison with the guide's V100 need the full-size run on a GPU")
 
 # %% [markdown]
-# One correction to the paragraph above: NVML's *used* is the whole card's, so the NVML numbers of both runs
-# (and the guide's) also hold what the card showed before this process started (section 1.1), which is neither
-# this process's CUDA context nor its allocator's cache.
-#
+# The same readings as a picture: what NVML's *used* holds at the end of each epoch, split into what was on the
+# card before this process started, this process's CUDA context and libraries (section 1.1), the peak of live
+# tensors, and the rest (the allocator's cache, and kernels loaded after section 1.1). The guide printed one
+# number, so its bar is not split.
+
+# %%
+if profiles.cuda_or_skip("NVML reads an NVIDIA GPU's memory") and prof.is_full:
+    nvml_split, ok_rows = {}, {k: r for k, r in trainer_rows.items() if r["result"] == "ok"}
+    for label, r in ok_rows.items():
+        known = {"before this process": nvml_used["before any CUDA call"],
+                 "CUDA context and libraries": context_mib + cublas_mib,
+                 "peak of live tensors": r["peak allocated (MiB)"]}
+        rest = max(r["NVML used (MiB)"] - sum(known.values()), 0.0)  # the allocator's cache, kernels loaded later
+        nvml_split[f"{label.split()[0]}, this run"] = known | {"cache and the rest": rest}
+    nvml_split["the guide's V100"] = {"not split": float(hf_docs_v100["NVML used (MiB)"])}
+    nvml_split = pd.DataFrame(nvml_split).T.fillna(0.0) * MIB / GIB
+    live_share = [f"{v['peak of live tensors'] / v.sum():.0%} ({k.split(',')[0]})"
+                  for k, v in nvml_split.iterrows() if v["not split"] == 0]
+    fig = plots.stacked_bar(
+        nvml_split, ylabel="NVML used at the end of the epoch (GiB)",
+        title="bert-large, batch 4, one epoch:\nlive tensors are "
+              + (" and ".join(live_share) if live_share else "not measured (no epoch completed)") + " of NVML's used",
+        colors={"before this process": "#C7C7C7", "CUDA context and libraries": "#937860",
+                "peak of live tensors": "#4C72B0", "cache and the rest": "#DD8452", "not split": "#8C8C8C"})
+
+# %% [markdown]
 # First we give the memory back. `cleanup.free` deletes the names, runs the garbage collector and empties
 # the allocator's cache; what it reports is what came back.
 
@@ -317,7 +342,8 @@ if prof.on_gpu:
     anat_title = f"bert-large, fp32 AdamW, batch 4: the highest peak is phase '{peak_phase}'"
 else:
     anat_title = "bert-large (tiny), fp32 AdamW, batch 4: counted bytes only (no allocator on a CPU)"
-fig = plots.stacked_bar(breakdown[~breakdown.index.str.endswith("zero_grad")], title=anat_title, ylabel="memory (GiB)")
+fig = plots.stacked_bar(breakdown[~breakdown.index.str.endswith("zero_grad")], title=anat_title, ylabel="memory (GiB)",
+                        colors={"other": "#8C8C8C"})  # grey: live memory no model state owns
 
 # %% tags=["remove-input"]
 if prof.on_gpu:
@@ -494,7 +520,8 @@ act_rows = []
 for attn in ("eager", "sdpa"):
     act_model = models.build("bert-large-uncased", head="sequence-classification", dtype=amp,
                              attn_implementation=attn).train()
-    for b, s in [(1, 512), (2, 512), (4, 512), (8, 512), (4, 128), (4, 256)] if prof.is_full else [(1, 64), (2, 64), (4, 64), (4, 16), (4, 32)]:
+    for b, s in ([(1, 512), (2, 512), (4, 512), (8, 512), (4, 64), (4, 128), (4, 256), (4, 384)] if prof.is_full else
+                 [(1, 64), (2, 64), (4, 64), (4, 16), (4, 32)]):
         act_rows.append({"attention": attn, "batch": b, "seq": s,
                          "measured (MiB/layer)": saved_per_layer(act_model, b, s) / MIB})
     del act_model
@@ -513,10 +540,10 @@ by_s = acts[acts.batch == 4].sort_values("seq")
 for ax, frame, x, label in [(ax_b, by_b, "batch", f"batch size (seq {s_max})"), (ax_s, by_s, "seq", "sequence length (batch 4)")]:
     for attn, style in [("eager", "o-"), ("sdpa", "s-")]:
         part = frame[frame.attention == attn]
-        ax.plot(part[x], part["measured (MiB/layer)"], style, label=f"measured, {attn}")
+        ax.plot(part[x], part["measured (MiB/layer)"], style, label=f"measured, {attn}", zorder=2, alpha=0.8)
     ref = frame[frame.attention == "eager"]
-    ax.plot(ref[x], ref["Korthikanti, eager (MiB/layer)"], "k--", label="formula, with s² term")
-    ax.plot(ref[x], ref["Korthikanti, no s² term (MiB/layer)"], "k:", label="formula, 34·sbh")
+    ax.plot(ref[x], ref["Korthikanti, eager (MiB/layer)"], "k--", label="formula, with s² term", zorder=1)
+    ax.plot(ref[x], ref["Korthikanti, no s² term (MiB/layer)"], "k:", label="formula, 34·sbh", zorder=1)
     ax.set_xlabel(label)
 ax_b.set_ylabel("saved for backward (MiB per layer)")
 growth = {attn: by_s[by_s.attention == attn]["measured (MiB/layer)"].iloc[-1]
@@ -577,7 +604,9 @@ else:
 # size. On a GPU larger than a T4 we **emulate the T4**: `measure.gpu_budget` caps PyTorch's allocator with
 # `torch.cuda.set_per_process_memory_fraction`, at the T4's 14.75 GiB minus the CUDA context this process
 # already holds (`measure.t4_budget` computes it from the NVML reading of section 1.1), so an allocation past
-# it fails exactly as it would on the smaller card. On a real T4 the cap is the whole card and changes nothing.
+# it fails where it would on the smaller card, give or take what the cap does not model (a T4's own context and
+# kernels, and how the allocator's blocks fragment on a smaller card). On a real T4 the cap is the whole card and
+# changes nothing.
 
 # %%
 def llm_book_step_memory(batch_size, seq_len, steps=3):
@@ -607,8 +636,10 @@ def llm_book_step_memory(batch_size, seq_len, steps=3):
                 "gradients (GiB)": grads / GIB,
                 "optimizer (GiB)": accounting.optimizer_state_bytes(optimizer) / GIB,
             })
-    except torch.OutOfMemoryError:
-        return {"batch": batch_size, "result": f"out of memory ({where['phase']})"}, rec.to_frame()
+    except torch.OutOfMemoryError as err:  # only its text is kept: the exception and its frames go
+        said = str(err).split(". ")
+        return {"batch": batch_size, "result": f"out of memory ({where['phase']})",
+                "error": ". ".join(said[:2]) + ("." if len(said) > 2 else "")}, rec.to_frame()
     phases = rec.to_frame()
     out = rows[-1] | {"result": "ok"}
     if prof.on_gpu:
@@ -634,10 +665,13 @@ for bs in (4, 8, 16):
             row, llm_phases[bs] = llm_book_step_memory(bs, llm_seq)
     else:
         row, llm_phases[bs] = llm_book_step_memory(bs, llm_seq)
+    error = row.pop("error", None)  # the start of the real message, printed below rather than put in the table
     llm_rows.append(row)
     freed = cleanup.free(globals())  # the function's model and optimizer are already out of scope
     if prof.on_gpu:
         print(f"batch {bs}: {row['result']}; allocated now {torch.cuda.memory_allocated() / MIB:,.0f} MiB")
+        if error:
+            print(f"  the error began: {error} (chapter 8 reads the whole message)")
 llm = pd.DataFrame(llm_rows).set_index("batch")
 llm.style.format(precision=2, na_rep="—")
 
@@ -692,6 +726,7 @@ if profiles.cuda_or_skip("the per-phase peak is an allocator statistic"):
                       xlabel="iteration: phase", ylabel="memory (GiB)")
     ax = fig.axes[0]
     ax.axhline(t4_budget_gib, color="grey", linestyle="--", label="emulated T4 budget")
+    ax.set_ylim(bottom=0)
     ax.set_xticks(range(len(ph4)), ph4.index, rotation=35, ha="right")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
@@ -766,7 +801,12 @@ display(Markdown(
 # temporary buffers and the CUDA context are not in it. Against our measured peaks:
 
 # %%
-model_gib = models.n_params(models.build("polyglot-ko-1.3b", head="causal-lm", device="meta")) * 2 / GIB
+calc_meta = models.build("polyglot-ko-1.3b", head="causal-lm", device="meta")
+calc_params = models.n_params(calc_meta)
+calc_head = calc_meta.get_output_embeddings().weight  # 30,080 x 2,048 at full size
+model_gib = calc_params * 2 / GIB
+no_head_gib = (calc_params - calc_head.numel()) * 2 / GIB
+del calc_meta
 rule_gib = estimates.hf_calculator_training_bytes(int(model_gib * GIB)) / GIB
 calc = {
     "model, fp16 (GiB)": f"{model_gib:.2f}", "calculator: 4 x model (GiB)": f"{rule_gib:.2f}",
@@ -787,8 +827,12 @@ if prof.on_gpu and llm.loc[4, "result"] == "ok":
         + (": the optimizer's temporary buffers and the activations are real memory the rule leaves out. "
            if ratio4 > 1 else ", so at this batch the rule was not exceeded. ")
         + f"The calculator's model size, 2.37, is also smaller than the {model_gib:.2f} GiB that 2 bytes x "
-        "1,331,810,304 parameters occupy; how it counts cannot be seen from outside. Treat its numbers as a "
-        "lower bound."
+        f"{calc_params:,} parameters occupy"
+        + (f". It matches, to the digits printed, the model without its {calc_head.shape[0]:,} x "
+           f"{calc_head.shape[1]:,} output head: {no_head_gib:.2f} GiB. So the likely explanation is a count that "
+           "leaves the head out (the calculator does not say how it counts). " if round(no_head_gib, 2) == 2.37 else
+           "; how it counts cannot be seen from its output. ")
+        + "Treat its numbers as a lower bound."
     ))
 else:
     print("skipped on CPU: the measured peaks are allocator statistics of a GPU")
@@ -893,10 +937,11 @@ else:
 #
 # ## Exercises
 #
-# Each exercise has a hint and an answer (or the range to expect) behind a click.
+# Each exercise has a hint and an answer (or the range to expect) behind a click. Where an exercise asks for a
+# number, the line under it checks yours without giving the answer away (it says right, close, or what to look at).
 #
-# 1. In section 1.3, change the batch from 4 to 8 sequences. Which bars grow, and by how much? Predict it from
-#    the activation table of section 1.4 first.
+# 1. In section 1.3, change the batch from 4 to 8 sequences. Which bars grow, and by what factor? Predict it from
+#    the activation table of section 1.4 first. `from helpers import exercises; exercises.check("1.1", your_factor)`
 #
 #    <details><summary>Hint</summary>
 #
@@ -911,7 +956,8 @@ else:
 #    </details>
 #
 # 2. Build the activation model of section 1.4 with `num_hidden_layers=12` (pass it to `models.build`). The
-#    bytes per layer should not change. Do they?
+#    bytes per layer should not change. Do they? Divide the new per-layer bytes by the old ones:
+#    `from helpers import exercises; exercises.check("1.2", your_ratio)`
 #
 #    <details><summary>Hint</summary>
 #
@@ -921,13 +967,14 @@ else:
 #
 #    <details><summary>Answer</summary>
 #
-#    Yes: the bytes per layer stay the same (within a few percent, from the embeddings and the head spread over more layers); the total grows with the number of layers.
+#    Yes, exactly: `saved_per_layer` reports the bytes that layer 1 saves, and nothing in a layer's saved tensors depends on how many layers there are (the embeddings and the head belong to no layer). The ratio is 1; the total grows with the number of layers.
 #
 #    </details>
 #
 # 3. In section 1.5, pass `foreach=False` to `torch.optim.AdamW`. The step's temporary buffers should
 #    shrink to one parameter at a time: how much lower is the peak at batch 4, and what does the step cost in
-#    time?
+#    time? First, the upper bound: how many GiB is one copy of the 1.3B model's weights in fp16?
+#    `from helpers import exercises; exercises.check("1.3", your_gib)`
 #
 #    <details><summary>Hint</summary>
 #
@@ -941,7 +988,9 @@ else:
 #
 #    </details>
 #
-# 4. Rerun section 1.5 with `attn_implementation="sdpa"`. Does batch 16 fit on the emulated T4 now?
+# 4. Rerun section 1.5 with `attn_implementation="sdpa"`. Does batch 16 fit on the emulated T4 now? Predict it
+#    first: how many GiB do the $34\,sbh$ bytes of all 24 layers take at $s = 256$ and $b = 16$ ($h = 2048$)?
+#    `from helpers import exercises; exercises.check("1.4", your_gib)`
 #
 #    <details><summary>Hint</summary>
 #
@@ -951,7 +1000,7 @@ else:
 #
 #    <details><summary>Answer</summary>
 #
-#    Most likely not. At $s = 256$, 16 heads and batch 16, SDPA with a fused kernel saves about 2 GB over 24 layers, but the $34 s b h$ part (over 6 GiB) plus about 10 GiB of fp16 AdamW model states still exceed the emulated 14.75 GiB. Gradient checkpointing (chapter 4) is what makes batch 16 fit.
+#    Most likely not. At $s = 256$, 16 heads and batch 16, SDPA with a fused kernel saves about 2 GiB over 24 layers ($5 a s^2 b$ bytes per layer), but the $34\,sbh$ part (over 6 GiB) plus about 10 GiB of fp16 AdamW model states still exceed the allocator's emulated budget, which section 1.5 printed (the T4's 14.75 GiB minus this process's CUDA context). Gradient checkpointing (chapter 4) is what makes batch 16 fit.
 #
 #    </details>
 #

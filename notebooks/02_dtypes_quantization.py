@@ -115,10 +115,11 @@ for row, (name, (e, m)) in enumerate(LAYOUT.items()):
     for i, part in enumerate(parts):
         ax.add_patch(plt.Rectangle((i, -row - 0.4), 0.92, 0.8, color=colors[part]))
     ax.text(-0.6, -row, name, ha="right", va="center", fontsize=9)
-    ax.text(len(parts) + 0.4, -row, f"{len(parts)} bits", va="center", fontsize=8)
+    stored = " (stored in 32)" if name == "tf32" else ""  # TF32 is fp32 in memory; the tensor cores read 19 bits
+    ax.text(len(parts) + 0.4, -row, f"{len(parts)} bits{stored}", va="center", fontsize=8)
 for part, color in colors.items():
     ax.bar(0, 0, color=color, label=part)
-ax.set_xlim(-6, 37)
+ax.set_xlim(-6, 40)
 ax.set_ylim(-len(LAYOUT) + 0.4, 0.6)
 ax.axis("off")
 ax.legend(loc="lower right", ncols=3)
@@ -151,7 +152,8 @@ for value in (0.1, 65504.0, 1e-8):
 pd.DataFrame(rows).set_index(["value", "format"])
 
 # %% [markdown]
-# 0.1 is off by about $2^{-m}$ in every format, as it should be. 65,504 is exact in fp16 and fp32, but bf16
+# 0.1 is off by at most $2^{-(m+1)}$ of its value in every format, as it should be: rounding moves a number by at
+# most half the gap to its neighbour, and that gap is $2^{-m}$ of a number whose mantissa starts at 1. 65,504 is exact in fp16 and fp32, but bf16
 # rounds it to 65,536, and fp8 e5m2 overflows to infinity. $10^{-8}$ survives in bf16 (fp32's range) but is
 # **zero** in fp16 and both fp8 formats. fp8 e4m3 is the odd one: it has no infinity at all (its largest code
 # is kept for NaN), so what does a cast beyond its largest value, 448, give? The answer has changed between
@@ -309,16 +311,24 @@ fig.tight_layout()
 pd.Series(final, name="sum of 10,000 x 0.01 (exact: 100)")
 
 # %% tags=["remove-input"]
+exact_sum = pd.Series(0.01 * sums.index.to_numpy(), index=sums.index)
+ahead = sums["fp16 accumulator"] - exact_sum
 display(Markdown(
     f"The fp16 accumulator stalls at {final['fp16 accumulator']:g} and the bf16 one at {final['bf16 accumulator']:g}: "
     "past those values a step of 0.01 is less than half the gap to the next representable number and rounds away. "
-    f"`torch.sum` over the same fp16 values gives {final['torch.sum of fp16 values']:g}"
+    + (f"Before it stalls, the fp16 sum runs *ahead* of the exact one, by up to {ahead.max():.2f} (after "
+       f"{ahead.idxmax():,} terms): just below the stall, the gap between neighbours lies between 0.01 and 0.02, so "
+       "each addition of 0.01 rounds up to a whole gap. " if ahead.max() > 0.05 else "")
+    + f"`torch.sum` over the same fp16 values gives {final['torch.sum of fp16 values']:g}"
     + (", right to fp16's precision, because it accumulates in fp32." if abs(final["torch.sum of fp16 values"] - 100) < 0.5
        else ", not 100: this build does not accumulate fp16 sums in fp32.")
 ))
 
 # %% [markdown]
-# Matrix multiplications on tensor cores accumulate in fp32 too: 16-bit inputs, fp32 accumulation. We check that against an fp64 reference: for
+# Matrix multiplications on tensor cores accumulate in fp32 too: 16-bit inputs, fp32 accumulation. Mostly: PyTorch
+# also lets cuBLAS round the partial sums of a product that it splits across thread blocks to 16 bits
+# (`torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction` and its fp16 twin, both on by default),
+# and whether a kernel does so depends on the shape. So we measure it, against an fp64 reference: for
 # each format, the error of the product computed in that format, and the error of an exact product of the
 # same inputs rounded to that format. If the two agree, the whole error comes from rounding the inputs.
 
@@ -372,7 +382,8 @@ if prof.on_gpu:
     display(Markdown(
         f"For a {n:,} x {n:,} product on this GPU, "
         + ", ".join(f"{k} is off by {err[k]:.1e}" for k in low) + ". "
-        + ("That is within a factor of 3 of the error of rounding their inputs to $m$ mantissa bits (about $2^{-m}$), "
+        + ("That is within a factor of 3 of the error of rounding their inputs to $m$ mantissa bits (at most "
+           "$2^{-(m+1)}$ per element), "
            "plus, for fp16 and bf16, rounding the output back to 16 bits: accumulating "
            f"{n:,} products adds little, because it happens in fp32. " if near_inputs else
            "At least one of them is well above the error of rounding its inputs: its accumulation adds error. ")
@@ -505,7 +516,7 @@ def quantile_quantize(x, n_codes=256):
     order = flat.argsort()  # the expensive part: a full sort
     codes = torch.empty_like(order)
     codes[order] = torch.arange(flat.numel()) * n_codes // flat.numel()
-    table = torch.zeros(n_codes).index_reduce_(0, codes, flat, "mean", include_self=False)
+    table = torch.zeros(n_codes).scatter_reduce_(0, codes, flat, "mean", include_self=False)
     return (codes - n_codes // 2).to(torch.int8).view(x.shape), table
 
 
@@ -713,9 +724,9 @@ blocks
 # ([Dettmers et al. (2023)](../book/references.md)) stores 4-bit codes whose 16 levels are quantiles of a
 # normal distribution (so they suit normally distributed weights), with an fp32 absmax per block of 64;
 # **double quantization** quantizes those absmax values themselves to 8 bits, in blocks of 256. **FP4** is a
-# 4-bit floating-point format: its 16 levels are a sign, exponent and mantissa grid like every float's, so they
-# are denser near zero, but spaced by powers of two rather than by the shape of a normal distribution. Both
-# level sets, as bitsandbytes stores them (scaled to $[-1, 1]$):
+# 4-bit floating-point format: its 16 codes are a sign, exponent and mantissa grid like every float's, spaced by
+# powers of two rather than by the shape of a normal distribution. With so few bits that grid is *not* dense near
+# zero, as the printed levels show. Both level sets, as bitsandbytes stores them (scaled to $[-1, 1]$):
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -725,9 +736,34 @@ levels = pd.DataFrame({kind: sorted(bnb_f.get_4bit_type(kind, device="cpu").toli
 print(levels.T.to_string(float_format="{:.4f}".format, header=False))  # text: identical on every machine
 
 # %% [markdown]
-# Both grids are densest near zero. NF4's gaps grow smoothly towards the tails, following the normal
-# distribution; FP4's double from one power of two to the next, as a float's do, with one tiny value next to
-# zero (bitsandbytes' FP4 also has a positive and a negative zero, so it has only 15 distinct values). We build each format from the same
+# The same levels on a number line, and the share of a normally distributed block of 64 weights (divided by the
+# block's absmax, as bitsandbytes does) that falls where FP4 has no level:
+
+# %%
+fp4_positive = sorted({v for v in levels["fp4"] if v > 0})
+hole = (fp4_positive[0], fp4_positive[1])  # FP4's smallest positive level and the next one
+normal_blocks = torch.randn(4096, 64, generator=torch.Generator().manual_seed(0))
+scaled = (normal_blocks / normal_blocks.abs().amax(dim=1, keepdim=True)).abs()
+in_hole = ((scaled > hole[0]) & (scaled < hole[1])).float().mean().item()
+fig, ax = plt.subplots(figsize=(9, 2.4))
+for y, kind in ((1, "nf4"), (0, "fp4")):
+    ax.plot(levels[kind], [y] * len(levels), "|", ms=22, mew=2, label=kind.upper())
+for sign in (1, -1):
+    ax.axvspan(sign * hole[0], sign * hole[1], color="grey", alpha=0.25, lw=0)
+ax.set_yticks([0, 1], ["FP4", "NF4"])
+ax.set_ylim(-0.7, 1.7)
+ax.set_xlabel("level (scaled to [-1, 1])")
+ax.set_title(f"16 codes each. FP4 has no level between ±{hole[0]:.4f} and ±{hole[1]:.4f} (shaded);\n"
+             f"{in_hole:.0%} of a normal block's scaled weights fall there", fontsize=10)
+fig.tight_layout()
+
+# %% [markdown]
+# The grids differ most where most weights are, near zero. NF4 has seven or eight levels on each side of zero, with gaps
+# that grow smoothly towards the tails, following the normal distribution. FP4 spends a code on one tiny value
+# next to zero and then leaves a hole up to its next level, as wide as its gaps around ±0.5; its
+# finest spacing lies further out, where fewer weights are (bitsandbytes' FP4 also has a positive and a negative
+# zero, so it has only 15 distinct values). Every weight in the hole is rounded to almost zero or to the hole's
+# edge: that, more than the powers of two, is why FP4 should lose to NF4 on normal weights. We build each format from the same
 # 16-bit weight matrix at a realistic shape (bf16, or fp16 on a GPU below compute capability 8.0), and compare
 # storage, output error against the 16-bit layer, and speed.
 
@@ -921,8 +957,10 @@ for name in configs:
 whole
 
 # %% [markdown]
-# Not every parameter is quantized: transformers keeps the embeddings, the output head and the layer norms in
-# 16 bits (the head and embeddings are large, but quantizing them hurts quality most). So the expected size is
+# Not every parameter is quantized. bitsandbytes replaces only `nn.Linear` layers, so the embeddings and the layer
+# norms stay in 16 bits; and transformers leaves the output head out of the replacement too (it is a linear
+# layer, but transformers keeps a causal LM's head unquantized for numerical stability, and
+# `llm_int8_skip_modules` lets you choose). So the expected size is
 # the linear layers' weights at 1 or ~0.52 bytes plus the rest at 2 bytes:
 
 # %%
@@ -1001,7 +1039,8 @@ display(Markdown(
 #
 # - Exponent bits set the range, mantissa bits the precision: fp16 overflows at 65,504 and rounds gradients
 #   below $2^{-25} \approx 3 \times 10^{-8}$ (half its smallest positive number) to zero (hence loss scaling); bf16 has fp32's range and a coarse 8-bit
-#   significand; sums and matrix products are accumulated in fp32 for that reason.
+#   significand; sums and matrix products are accumulated in fp32 for that reason (check it where it matters:
+#   cuBLAS may round split partial sums to 16 bits).
 # - Size = parameters x bytes, and the parameters are worth counting: "7B x 2 = 14 GB" fits Llama-2-7B but not
 #   Mistral-7B (7.24 B parameters) or Gemma-7B (8.54 B); and 1 GB (10⁹ bytes) is 7 % less than 1 GiB.
 # - Loss scaling protects the gradients an fp16 backward pass computes (activation gradients), which would
@@ -1009,7 +1048,8 @@ display(Markdown(
 # - One absmax scale per tensor wastes most int8 codes when there are outliers; block-wise scales fix it for a
 #   few percent of metadata; quantile bins use every code, at the price of a sort and not with a lower error.
 # - bitsandbytes' NF4 stores 4.5 bits per weight, 4.127 with double quantization; a whole quantized model
-#   also keeps embeddings and head in 16 bits. NF4's levels follow a normal distribution, FP4's a float grid.
+#   also keeps embeddings and head in 16 bits. NF4's levels follow a normal distribution; FP4's float grid
+#   has a hole next to zero, where many weights are.
 #   Quantized layers save memory, not time: section 2.5 measures what they cost on your GPU.
 #
 # ## Use it in your own script
@@ -1030,62 +1070,69 @@ display(Markdown(
 #
 # ## Exercises
 #
-# Each exercise has a hint and an answer (or the range to expect) behind a click.
+# Each exercise has a hint and an answer (or the range to expect) behind a click. Where an exercise asks for a
+# number, the line under it checks yours without giving the answer away (it says right, close, or what to look at).
 #
-# 1. In section 2.4 change the outlier magnitude from 50 to 5. Which scheme's error changes most, and why?
+# 1. In section 2.4 change the outlier magnitude from 50 to 5. By what factor does per-tensor absmax's step
+#    shrink? And which scheme's error falls most?
+#    `from helpers import exercises; exercises.check("2.1", your_factor)`
 #
 #    <details><summary>Hint</summary>
 #
-#    An absmax scale is the largest magnitude divided by 127: the outlier sets the step between codes for every other value.
+#    An absmax scale is the largest magnitude divided by 127: the outlier sets the step between codes for every other value, as long as it is the largest value. Then look at what the quantile scheme's end bins hold.
 #
 #    </details>
 #
 #    <details><summary>Answer</summary>
 #
-#    Per-tensor absmax changes most: its step shrinks about tenfold, so its mean squared error falls by up to about a hundredfold. Block-wise and quantile schemes, which were not spoiled by the outlier, change little.
+#    The step shrinks tenfold: the largest of the million normal values stays below 5, so the outliers still set the scale, at a tenth of the size, and absmax's mean squared error, which goes with the step squared, falls about a hundredfold. But all three fall. The quantile scheme falls most, by several hundred times: its end bins no longer average values of 50 with the largest normal values near 4 or 5. Block-wise falls about twentyfold: only the blocks that hold an outlier change, about 6% of them ($1 - 0.999^{64}$).
 #
 #    </details>
 #
-# 2. Rerun the block-size sweep with blocks of 8. Is the extra metadata worth it?
+# 2. Rerun the block-size sweep with blocks of 8. How many bytes of scales does each value carry then, and is
+#    that worth it? `from helpers import exercises; exercises.check("2.2", your_bytes_per_value)`
 #
 #    <details><summary>Hint</summary>
 #
-#    Metadata per value is the bytes of one scale divided by the block size: an fp32 scale per 8 values is 0.5 bytes per value.
+#    Metadata per value is the bytes of one scale divided by the number of values that share it.
 #
 #    </details>
 #
 #    <details><summary>Answer</summary>
 #
-#    The error falls a little further, but the scales add 0.5 bytes to every 1-byte value (against about 0.06 at 64): rarely worth it, which is why bitsandbytes uses blocks of 64 or more.
+#    The error keeps falling roughly in proportion to the block size, as it does from one row of the sweep to the next, but an fp32 scale per 8 values adds $4/8 = 0.5$ bytes to every 1-byte value (against $4/64 \approx 0.06$ at 64): rarely worth it, which is why bitsandbytes uses blocks of 64 or more.
 #
 #    </details>
 #
 # 3. Add fp8 to the matrix-product comparison: round `A64` and `B64` to `torch.float8_e4m3fn` and back to
-#    bf16 before multiplying. Expect an error near $2^{-3}$.
+#    bf16 before multiplying. What relative error of the product do you get?
+#    `from helpers import exercises; exercises.check("2.3", your_error)`
 #
 #    <details><summary>Hint</summary>
 #
-#    e4m3 keeps 3 mantissa bits: each element's relative rounding error is up to $2^{-4}$; in a dot product the errors partly cancel.
+#    e4m3 keeps 3 mantissa bits: each element's relative rounding error is at most $2^{-4}$, and usually less; in a dot product of thousands of terms the errors partly cancel.
 #
 #    </details>
 #
 #    <details><summary>Answer</summary>
 #
-#    A relative error of a few percent up to about $2^{-3}$, an order of magnitude or more above the bf16 row of the same comparison.
+#    About 4%, between $2^{-5}$ and $2^{-4}$: the product's error is an average of the elements' rounding errors, well below the worst case of one element ($2^{-4}$), and more than ten times the bf16 row, whose 7 mantissa bits are 16 times finer.
 #
 #    </details>
 #
-# 4. In section 2.5, give 16 input features the outlier magnitude instead of 4, and try thresholds 3 and 10.
+# 4. In section 2.5, give 16 input features the outlier magnitude instead of 4, and compare thresholds 3, 6 and
+#    100. First predict: in 4,096 tokens of standard normal inputs, how many values of an ordinary (not outlier)
+#    column reach 3? `from helpers import exercises; exercises.check("2.4", your_count)`
 #
 #    <details><summary>Hint</summary>
 #
-#    LLM.int8() sends every input column that holds a value above the threshold through a 16-bit product and quantizes the rest.
+#    LLM.int8() sends an input column through the 16-bit product if *any* token's value in it reaches the threshold, and quantizes the rest. For a standard normal, $P(|z| \ge 3) = 0.27\%$.
 #
 #    </details>
 #
 #    <details><summary>Answer</summary>
 #
-#    With the threshold below the outlier magnitude, all 16 outlier columns take the 16-bit path and the error stays close to the 4-column case (at more 16-bit work); with a threshold above it, the outliers are quantized with everything else and the error grows sharply, as for absmax with outliers in section 2.4.
+#    About 11 per column ($4{,}096 \times 0.0027$). So at threshold 3 practically *every* column takes the 16-bit path: the int8 product has almost nothing left to do, the error falls towards what the int8 weights alone cause, and the time rises towards a 16-bit product plus the decomposition's overhead. At 6 (the default) only the 16 outlier columns go to 16 bits ($20 \cdot N(0,1)$ reaches 6 in about three rows of four), and the error stays near the 4-column case, at more 16-bit work. To quantize the outliers you need a threshold above their largest values, which reach 70 to 80 in 4,096 tokens: at 100 nothing is decomposed and the error grows, as it did for threshold 0 with four outlier columns.
 #
 #    </details>
 #

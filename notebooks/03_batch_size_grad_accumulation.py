@@ -125,9 +125,8 @@ make_batch = functools.partial(steps.batch_of, SETUPS, device=prof.device)  # ma
 
 
 # %% [markdown]
-# For each batch size we time the training step with `timing.time_it` (a warm-up step, which also creates
-# AdamW's states, then ten timed steps: the median, the spread, the host's time to issue the step and the
-# GPU-busy fraction from one profiled step) and then run one more step phase by phase. After the forward pass,
+# For each batch size we time the training step with `timing.time_it` (its warm-up step also creates AdamW's
+# states) and then run one more step phase by phase. After the forward pass,
 # allocated memory is the fixed part (weights and optimizer states; the gradients were dropped by the last
 # `zero_grad`) plus the activations of this batch. `SavedTensorMeter` counts those activations independently
 # of the device, and the peak over the three phases is what the card must hold. Each batch size runs through
@@ -135,10 +134,8 @@ make_batch = functools.partial(steps.batch_of, SETUPS, device=prof.device)  # ma
 #
 # The sweep doubles the batch until throughput stops growing (two doublings in a row that each add less than
 # 5%), memory runs out (shown as a marker), the batch reaches the sweep's largest, or the next point would
-# overrun the section's time budget. The sweep's points are timed one after the other, so two of them can differ
-# by the host's drift as well as by the batch. For the one comparison the text draws, batch 1 against batch 4,
-# the two steps are therefore timed with `timing.interleaved` (chapter 8): in alternating rounds, their ratio
-# per round, and the median ratio with its 95% interval.
+# overrun the section's time budget. The sweep's points are timed one after the other; the one comparison the
+# text draws, batch 1 against batch 4, is timed again with `timing.interleaved`, as the introduction explains.
 
 # %%
 def measure_batch(name, model, optimizer, batch_size):
@@ -387,14 +384,11 @@ else:
     print("skipped on CPU: GPU-busy and host enqueue time need a GPU, and a CPU's throughput says nothing about a GPU's")
 
 # %% [markdown]
-# Two cautions on reading the sentences above. *Host enqueue* is the time until the step's Python call
-# returns: an upper bound on what issuing the step costs the CPU, because the CPU also waits for the GPU inside
-# the call when the launch queue is full or an operation synchronises. Where it grows with the batch although the
-# number of operations per step does not, that growth is waiting, not issuing. So where the GPU is busy most of
-# the time, a host enqueue close to the wall time does not show that the CPU sets the pace; the GPU-busy fraction
-# decides the verdict. And "flat" is the sweep's stop rule, two doublings in a row that each add less than 5%,
-# not a measured plateau: "95% of the best" is measured against the largest batch the sweep ran, so a larger
-# batch could move it.
+# How to read the verdicts above. *Host enqueue* includes the CPU's waiting for the GPU, so where it grows with
+# the batch although the number of operations per step does not, that growth is waiting, not issuing; where the GPU
+# is busy most of the time, it is the GPU-busy fraction that decides the verdict. And "flat" is the sweep's stop
+# rule, two doublings in a row that each add less than 5%: "95% of the best" is measured against the largest
+# batch the sweep ran.
 
 # %% [markdown]
 # A step is *host-bound* when the CPU needs longer to issue its kernels than the GPU needs to run them:
@@ -652,11 +646,10 @@ freed = cleanup.free(globals(), "model_run", "model_big", "runs", "small", "g_bi
 # The Hugging Face guide trains bert-large (fp32, 512 tokens) at batch 4 and then with batch 1 and 4 steps of
 # accumulation, and reports that memory fell and time rose. We measure those two rows and two more, batch 16
 # and batch 4 x 4 (the same 16 samples per update, accumulated), on our GPU under the emulated T4 budget, so
-# that a configuration that does not fit a 15 GB card fails here too. Time is per optimizer step (`time_it`: ten
-# timed updates after a warm-up one, with their spread and the GPU-busy fraction); throughput counts the samples
-# of the effective batch. The two comparisons the text draws, batch 1 x 4 against batch 4 and batch 4 x 4 against
-# a real batch 16 (on the whole card), are timed again with `timing.interleaved`, in alternating rounds: the
-# table's rows are timed one after the other, and only interleaved rounds cancel the host's drift.
+# that a configuration that does not fit a 15 GB card fails here too. Time is per optimizer step (`time_it`, as
+# in section 3.1); throughput counts the samples of the effective batch. The two comparisons the text draws,
+# batch 1 x 4 against batch 4 and batch 4 x 4 against a real batch 16 (on the whole card), are timed again with
+# `timing.interleaved`.
 
 # %%
 def update_fn(name, model, optimizer, micro_size, steps_per_update):
@@ -961,10 +954,11 @@ pd.Series({"optim": str(defaults.optim.value), "max_grad_norm": defaults.max_gra
            "lr_scheduler_type": str(defaults.lr_scheduler_type.value)}, name="TrainingArguments defaults")
 
 # %% [markdown]
-# Gradient clipping (`max_grad_norm`) computes the norm of all gradients once per update. If the default
-# optimizer is `adamw_torch_fused`, PyTorch's fused AdamW updates all parameters in a few kernels without the
-# multi-tensor version's temporary buffers (chapter 1 shows those buffers; chapter 5 measures the fused step),
-# which lowers the optimizer step's peak.
+# Gradient clipping (`max_grad_norm`) computes the norm of all gradients once per update. The default optimizer,
+# `adamw_torch_fused` in the table above, is PyTorch's fused AdamW: it updates all parameters in a few kernels
+# without the multi-tensor version's temporary buffers (chapter 1 shows those buffers; chapter 5 measures the
+# fused step), which lowers the optimizer step's peak. (A transformers release with another default prints it
+# in the table.)
 
 # %% [markdown]
 # ## 3.5 The pitfall: sequences of different lengths
@@ -1156,7 +1150,7 @@ closing[[c for c in order if c in closing.columns]]
 #
 #    <details><summary>Answer</summary>
 #
-#    At 256 tokens, 16 heads and hidden size 2048 the $s^2$ term is roughly a quarter of a layer's activation bytes, so the per-sample cost falls by about that much and the largest batch grows by roughly a third.
+#    At 256 tokens, 16 heads and hidden size 2048 the $s^2$ term is roughly a quarter of a layer's activation bytes ($5as/(34h + 5as) \approx 0.23$), so the layers' per-sample cost falls by about that much and the largest batch grows by roughly a quarter to a third (less where the logits and the loss, which SDPA does not touch, take a larger part of a sample's bytes).
 #
 #    </details>
 #

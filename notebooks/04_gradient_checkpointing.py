@@ -471,9 +471,10 @@ freed = cleanup.free(globals(), "block", "block_x", "plain_grads", "ckpt_grads",
 # ## 4.3 In practice: `gradient_checkpointing_enable()`
 #
 # Transformers models implement the layer-boundary version: `model.gradient_checkpointing_enable()` wraps every
-# transformer layer's call in `torch.utils.checkpoint`, so each layer keeps only its input. (Recent transformers
-# releases also call it `activation_checkpointing_enable`; the function below uses whichever the installed
-# version has, with the non-reentrant checkpoint, and the cell prints which.) We measure the two models of
+# transformer layer's call in `torch.utils.checkpoint`, so each layer keeps only its input. (Newer transformers
+# releases, 5.23 for one, also call it `activation_checkpointing_enable`; older ones know only the first name. The
+# function below uses whichever the installed version has, with the non-reentrant checkpoint, and the cell prints
+# which.) We measure the two models of
 # chapter 3 in the sources' setups: bert-large in fp32 at 512 tokens, and the 1.3B GPT-NeoX with fp16 weights,
 # eager attention and 256 tokens. For each batch size, with and without checkpointing: the peak allocated
 # memory of a training step and its time, with `time_it` (ten steps after a warm-up step, their spread, the GPU
@@ -1178,7 +1179,7 @@ display(Markdown(text))
 
 # %% [markdown]
 # Transformers can combine the two ideas: in releases whose checkpointing switch takes `offload=True`
-# (`gradient_checkpointing_enable`, or its newer name `activation_checkpointing_enable`), each layer is
+# (`gradient_checkpointing_enable`, or its newer name `activation_checkpointing_enable` where the release has it), each layer is
 # checkpointed and its input, the only tensor it keeps, goes to pinned host memory. The cell below tries the
 # installed version's switch with `offload=True` and, where it is accepted, measures it on bert-large against
 # plain checkpointing.
@@ -1343,10 +1344,13 @@ else:
 #
 # ## Exercises
 #
-# Each exercise has a hint and an answer (or the range to expect) behind a click.
+# Each exercise has a hint and an answer (or the range to expect) behind a click. Where an exercise asks for a
+# number, the line under it checks yours without giving the answer away (it says right, close, or what to look at).
 #
 # 1. In section 4.1, set `n_layers = 256` (and `width = 256` to keep it quick). Predict the best $k$ and the
-#    stored outputs before running. What does strategy (b) cost now?
+#    stored outputs before running. What does strategy (b) cost now, in layer forwards?
+#    `from helpers import exercises; exercises.check("4.1a", your_k)`, then
+#    `exercises.check("4.1b", your_stored_outputs)` and `exercises.check("4.1c", your_layer_forwards)`.
 #
 #    <details><summary>Hint</summary>
 #
@@ -1356,7 +1360,7 @@ else:
 #
 #    <details><summary>Answer</summary>
 #
-#    Best $k = \sqrt{256} = 16$, storing $256/16 + 16 = 32$ outputs instead of 257 ($N + 1$, the input included, as in section 4.1's table). Strategy (b) stores almost nothing but recomputes about $N^2/2 \approx 33{,}000$ layer forwards, against 256 plain: quadratic.
+#    Best $k = \sqrt{256} = 16$, storing $256/16 + 16 = 32$ outputs instead of 257 ($N + 1$, the input included, as in section 4.1's table). Strategy (b) stores almost nothing but computes $N(N+1)/2 = 32{,}896$ layer forwards, against 256 plain: quadratic.
 #
 #    </details>
 #
@@ -1376,7 +1380,8 @@ else:
 #    </details>
 #
 # 3. In section 4.4, checkpoint only every other block (set `recompute` per block). Where does that land between
-#    "store everything" and "recompute whole block", in memory and in time?
+#    "store everything" and "recompute whole block", in memory and in time? Where the GPU is the limit, what
+#    fraction of a plain step should it add? `from helpers import exercises; exercises.check("4.3", your_fraction)`
 #
 #    <details><summary>Hint</summary>
 #
@@ -1386,7 +1391,7 @@ else:
 #
 #    <details><summary>Answer</summary>
 #
-#    About halfway in both: roughly half of the memory saving of full-block recomputation, at roughly half of its time overhead. Where the GPU is the limit that is half of one extra forward pass (about a sixth of a forward and backward pass instead of a third); in section 4.4's stack, where the GPU is idle much of the time, expect about half of the overhead measured there for whole blocks, which is larger.
+#    About halfway in both: roughly half of the memory saving of full-block recomputation, at roughly half of its time overhead. Where the GPU is the limit that is half of one extra forward pass (about a sixth of a forward and backward pass instead of a third); section 4.4 times its stack at a batch where the GPU is busy nearly all the time, so expect about half of the overhead it measured there for whole blocks. At a small, host-bound batch the overhead of either would be larger than the FLOPs say (section 4.3's 1.3B rows), and so would its half.
 #
 #    </details>
 #

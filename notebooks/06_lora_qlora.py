@@ -1170,18 +1170,22 @@ else:
 #                            bnb_4bit_compute_dtype=torch.bfloat16)   # torch.float16 on a T4
 # model = AutoModelForCausalLM.from_pretrained(checkpoint_dir, quantization_config=qlora)  # omit for LoRA
 # model = prepare_model_for_kbit_training(model)   # QLoRA only; turns on gradient checkpointing by default
-# config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules=["query_key_value"],
-#                     task_type="CAUSAL_LM")   # use_rslora=True: scale by alpha / sqrt(r)
+# config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules="all-linear",  # every linear layer
+#                     task_type="CAUSAL_LM")   # but the output head, as in section 6.3; use_rslora=True: alpha / sqrt(r)
+# # all-linear on GPT-NeoX = ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
 # model = get_peft_model(model, config)
 # model.print_trainable_parameters()
 # ```
 #
 # ## Exercises
 #
-# Each exercise has a hint and an answer (or the range to expect) behind a click.
+# Each exercise has a hint and an answer (or the range to expect) behind a click. Where an exercise asks for a
+# number, the line under it checks yours without giving the answer away (it says right, close, or what to look at).
 #
 # 1. Add the MLP's `dense_h_to_4h` and `dense_4h_to_h` to `TARGETS` in section 6.1 and change the assertion to
-#    $16\,r\,d$ per block, the count of section 6.3. Does the step-0 identity still hold?
+#    $16\,r\,d$ per block, the count of section 6.3. Does the step-0 identity still hold? And how many trainable
+#    parameters do the adapters of the whole 1.3B model then have ($r = 8$, $d = 2048$, 24 blocks)?
+#    `from helpers import exercises; exercises.check("6.1", your_count)` (another rank: add `r=16`)
 #
 #    <details><summary>Hint</summary>
 #
@@ -1191,12 +1195,13 @@ else:
 #
 #    <details><summary>Answer</summary>
 #
-#    $r\,(4d + 2d + 5d + 5d) = 16\,r\,d$ per block. The step-0 identity still holds: every $B$ starts at zero, whatever layers are adapted.
+#    $r\,(4d + 2d + 5d + 5d) = 16\,r\,d$ per block, so $16 \cdot 8 \cdot 2048 \cdot 24 = 6{,}291{,}456$ for the whole model at $r = 8$. The step-0 identity still holds: every $B$ starts at zero, whatever layers are adapted.
 #
 #    </details>
 #
 # 2. In `qlora()`, set `bnb_4bit_use_double_quant=False`. By how many MiB should the weights grow (0.373 bits per
-#    quantized weight)? Check against the weights column.
+#    quantized weight)? Check against the weights column, and your prediction here:
+#    `from helpers import exercises; exercises.check("6.2", your_mib)`
 #
 #    <details><summary>Hint</summary>
 #

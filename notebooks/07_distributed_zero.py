@@ -819,7 +819,7 @@ print("DeepSpeed is installed, but this chapter runs only the FSDP config" if de
 # ## 7.7 Communication, measured
 #
 # How fast are the collectives themselves? `scripts/collectives_bench.py` times all-reduce, reduce-scatter,
-# all-gather and broadcast on every GPU of this machine, from 1 MiB to 4 GiB (in the tiny profile: two CPU
+# all-gather and broadcast on every GPU this process sees (`CUDA_VISIBLE_DEVICES` can hide others), from 1 MiB to 4 GiB (in the tiny profile: two CPU
 # processes with gloo, 64 KiB to 4 MiB). It follows the definitions of NVIDIA's `nccl-tests`
 # ([NVIDIA (2024)](../book/references.md), its doc/PERFORMANCE.md): for a collective on $S$ bytes that takes $t$
 # seconds on $n$ ranks, the *algorithm bandwidth* is $S/t$ and the *bus bandwidth* multiplies it by what a
@@ -954,7 +954,10 @@ else:
 # kernels it finds there, by collective, and `profiler.communication_overlap` splits their time into the
 # part that ran while a compute kernel ran on the same GPU (*hidden*) and the rest (*exposed*). An NCCL
 # kernel starts when its rank arrives and ends when all ranks are done, so *exposed* also counts waiting for
-# the other rank.
+# the other rank. Two cautions for setting these times against section 7.4's growth from 1 to 2 GPUs: the traced
+# step is one extra, profiled step, not one of the timed ones; and the growth compares two separate launches, so
+# part of it, or all of it, can be what differs between two launches on the same host (its other work, the GPU's
+# clocks) rather than anything the second GPU adds.
 
 # %%
 formula = estimates.communication_table(psi_run, 2)
@@ -1129,10 +1132,12 @@ pd.DataFrame(summary).T
 #
 # ## Exercises
 #
-# Each exercise has a hint and an answer (or the range to expect) behind a click.
+# Each exercise has a hint and an answer (or the range to expect) behind a click. Where an exercise asks for a
+# number, the line under it checks yours without giving the answer away (it says right, close, or what to look at).
 #
 # 1. In `scripts/train_zero.py`, set `gradient_as_bucket_view=False` for DDP and rerun section 7.4. The
-#    peak should grow by one copy of the gradients ($4\Psi$ bytes). Does it?
+#    peak should grow by one copy of the gradients ($4\Psi$ bytes). How many GiB is that for the 1.3B model, and
+#    does the peak grow by it? `from helpers import exercises; exercises.check("7.1", your_gib)`
 #
 #    <details><summary>Hint</summary>
 #
@@ -1147,8 +1152,9 @@ pd.DataFrame(summary).T
 #    </details>
 #
 # 2. Add `--bf16` to `train_args` (bf16 autocast, fp32 weights). The model states do not change; the peaks do.
-#    Chapter 1 found that autocast keeps a 16-bit copy of every weight until backward: how does that copy
-#    behave under ZeRO-3, which gathers and frees weights layer by layer?
+#    Chapter 1 found that autocast keeps a 16-bit copy of every weight until backward: how many GiB is that copy
+#    for the 1.3B model, and how does it behave under ZeRO-3, which gathers and frees weights layer by layer?
+#    `from helpers import exercises; exercises.check("7.2", your_gib)`
 #
 #    <details><summary>Hint</summary>
 #
@@ -1163,7 +1169,8 @@ pd.DataFrame(summary).T
 #    </details>
 #
 # 3. In the pipeline schedule, make a backward pass as long as a forward pass (`t_b=1.0`). Does the bubble
-#    fraction change? Why not?
+#    fraction change? Why not? What is it for $p = 4$ and $m = 8$?
+#    `from helpers import exercises; exercises.check("7.3", your_fraction)` (other sizes: add `p=..., m=...`)
 #
 #    <details><summary>Hint</summary>
 #
@@ -1178,7 +1185,8 @@ pd.DataFrame(summary).T
 #    </details>
 #
 # 4. With the formula: how many GPUs does ZeRO-3 need to hold the 7.5B model's states in a T4's 14.75 GiB?
-#    And ZeRO-2?
+#    And ZeRO-2? `from helpers import exercises; exercises.check("7.4a", your_zero3_gpus)`, then
+#    `exercises.check("7.4b", your_zero2_gpus)`.
 #
 #    <details><summary>Hint</summary>
 #
