@@ -844,8 +844,10 @@ else:
 # with respect to the weight) where the forward pass computes one, so the backward pass should take about
 # twice as long. We time bert-large at batch 4, fp32, with `timing.time_it` (chapter 8 explains it): three
 # warm-up calls, then ten timed calls with the device synchronised, reported as the median with its
-# interquartile range (IQR) and, on a GPU, the share of the time some kernel was running (GPU-busy). The
-# backward pass is the difference of the two medians.
+# interquartile range (IQR) and, on a GPU, the share of the time some kernel was running (GPU-busy) and the
+# kernels' own time from a few profiled calls. The backward pass is the difference of the two. The rule is about
+# the GPU's arithmetic, so we test it on kernel time, which the host's speed at launching kernels does not enter,
+# and give the wall times beside it.
 
 # %%
 timing_model = models.build("bert-large-uncased", head="sequence-classification")
@@ -860,26 +862,24 @@ def forward_backward():
 fwd_bwd = timing.time_it(forward_backward, device=prof.device, warmup=3, repeat=10)
 bwd_s = fwd_bwd.median_s - fwd.median_s
 bwd_fwd_ratio = bwd_s / fwd.median_s
-ratio_noise = (fwd_bwd.wall.iqr + 2 * fwd.wall.iqr) / fwd.median_s  # how far the ratio can move within the IQRs
-pd.DataFrame({"forward": fwd.summary(), "forward + backward": fwd_bwd.summary()}).T
+pd.DataFrame({"forward": fwd.summary(), "forward + backward": fwd_bwd.summary()}).T.drop(columns="verdict")
 
 # %% tags=["remove-input"]
 if prof.on_gpu:
-    if bwd_s <= 0 or ratio_noise > 0.5:
-        rule_txt = (f"too noisy in this run to test the rule: the repeats' spread (IQR) moves the ratio by about "
-                    f"±{ratio_noise:.2f}.")
-    elif abs(bwd_fwd_ratio - 2) <= max(0.25, ratio_noise):
+    # The rule is about the GPU's arithmetic, so it is tested on kernel time (the profiled calls' GPU work), which
+    # the host's speed at launching kernels does not enter; the wall times are given beside it.
+    bwd_kernel_s = fwd_bwd.kernel_s - fwd.kernel_s
+    kernel_ratio = bwd_kernel_s / fwd.kernel_s
+    if abs(kernel_ratio - 2) <= 0.25:
         rule_txt = "close to the rule's 2: the rule holds for a model whose time is dominated by matrix products."
     else:
-        rule_txt = (f"{'above' if bwd_fwd_ratio > 2 else 'below'} the rule's 2 by more than the noise "
-                    f"(about ±{ratio_noise:.2f} from the IQRs).")
-    bound_txt = ("" if fwd_bwd.verdict == "GPU-bound" else
-                 f" The forward and backward step is {fwd_bwd.verdict} here ({fwd_bwd.evidence}): its wall time "
-                 "measures how fast the host issues kernels as much as the arithmetic, so the ratio says little "
-                 "about the two products.")
+        rule_txt = f"{'above' if kernel_ratio > 2 else 'below'} the rule's 2 by more than a quarter."
     display(Markdown(
-        f"On this GPU the backward pass took {bwd_s * 1e3:.1f} ms, {bwd_fwd_ratio:.2f} times the forward pass's "
-        f"{fwd.median_s * 1e3:.1f} ms ({fwd_bwd.evidence} for forward and backward together), {rule_txt}{bound_txt} "
+        f"On this GPU the backward pass's kernels ran for {bwd_kernel_s * 1e3:.1f} ms, {kernel_ratio:.2f} times the "
+        f"forward pass's {fwd.kernel_s * 1e3:.1f} ms of kernels: {rule_txt} (Kernel time is the GPU's own work, which "
+        f"the host's speed at launching kernels does not enter. By the wall clock the backward pass took "
+        f"{bwd_s * 1e3:.1f} ms, {bwd_fwd_ratio:.2f} times the forward pass's {fwd.median_s * 1e3:.1f} ms; "
+        f"{fwd_bwd.evidence} for forward and backward together.) "
         "Element-wise operations (dropout, GeLU, layer norm) are bound by memory bandwidth instead, and their "
         "backward pass reads more tensors than their forward pass did; where they weigh more (small hidden sizes, "
         "long sequences with eager attention) the ratio moves away from 2. Chapter 8 profiles where the time goes, "
