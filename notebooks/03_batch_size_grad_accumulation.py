@@ -65,7 +65,19 @@ import torch
 import torch.nn.functional as F
 from transformers import Trainer, TrainingArguments
 
-from helpers import accounting, batching, cleanup, data, flops, measure, models, plots, profiles, steps
+from helpers import (
+    accounting,
+    batching,
+    cleanup,
+    data,
+    flops,
+    measure,
+    models,
+    plots,
+    profiler,
+    profiles,
+    steps,
+)
 from helpers.measure import GIB, MIB
 
 prof = env.start()  # plot style, number format, run profile; the table below names hardware and versions
@@ -398,6 +410,67 @@ else:
 # per step cost proportionally more time and throughput flattens. Chapter 8 profiles this regime in detail.
 # Below the flat part, gradient accumulation cannot help either: it runs the small batch's kernels several
 # times, as section 3.4 shows.
+
+# %% [markdown]
+# ### A picture of host-bound
+#
+# The same idea as a picture, the one later chapters point back to. We profile one training step of the 1.3B
+# model at batch 1 and at batch 32 (`profiler.profile`, chapter 8 explains it) and draw each as lanes in time:
+# the CPU on top (the phases of the step, then every operator the Python code dispatches), the GPU below (every
+# kernel at its true width, coloured by kind), and at the bottom, slice by slice, how much of the time the GPU
+# was busy. At batch 1 the kernels are short and the GPU waits between them for the CPU to launch the next:
+# white gaps. At batch 32 the same launches carry 32 times the work, each kernel runs longer than it takes
+# the CPU to launch the next one, a queue builds up and the GPU runs back to back. (Profiled steps are slower
+# than timed ones: the profiler slows the CPU, so the gaps are wider here than in the timed step.)
+
+# %%
+host_pictures = {}
+if prof.on_gpu:
+    name = "polyglot-ko-1.3b"
+    model, optimizer = build(name)
+    for bs in (1, 32):
+        attempt = batching.try_batch(lambda b, m=model, o=optimizer: profiler.profile(
+            steps.make_step(m, o, make_batch(name, b)), device=prof.device, warmup=2, active=1), bs)
+        host_pictures[bs] = attempt.value if attempt.fits else f"out of memory ({attempt.error})"
+    cleanup.free(globals(), "model", "optimizer", "attempt")
+    drawn = {b: p for b, p in host_pictures.items() if not isinstance(p, str)}
+    if drawn:
+        fig, axes = plt.subplots(len(drawn), 1, figsize=(11, 3.3 * len(drawn)))
+        for ax, (b, p) in zip(np.atleast_1d(axes), drawn.items()):
+            start_us, end_us = p.windows_us[0]
+            profiler.timeline(p, ax=ax, title=f"{name}, batch {b}: one profiled step, {(end_us - start_us) / 1e3:.0f} ms, "
+                                              f"GPU busy {p.busy_us_per_step()[0] / (end_us - start_us):.0%}, "
+                                              f"{p.kernels_per_step:,} GPU operations")
+        fig.tight_layout()
+    for b, p in host_pictures.items():
+        if isinstance(p, str):
+            print(f"batch {b}: {p}")
+else:
+    print("skipped on CPU: the picture is of a GPU waiting for the CPU")
+
+
+# %% tags=["remove-input"]
+def host_picture_text(pictures):
+    """One sentence per drawn step: its length, the GPU's busy share, and the CPU's time per GPU operation."""
+    parts = []
+    for b, p in pictures.items():
+        if isinstance(p, str):
+            continue
+        start_us, end_us = p.windows_us[0]
+        ms, ops = (end_us - start_us) / 1e3, p.kernels_per_step
+        parts.append(f"at batch {b} the profiled step took {ms:.0f} ms for {ops:,} GPU operations, "
+                     f"{ms * 1e3 / ops:.0f} µs of step per operation, and the GPU was busy "
+                     f"{p.busy_us_per_step()[0] / (end_us - start_us):.0%} of it")
+    if len(parts) < 2:
+        return ""
+    return ("In the pictures above, " + "; ".join(parts) + ". The number of operations hardly changes with the "
+            "batch: what changes is how long each one runs on the GPU against how long the CPU needs to issue it. "
+            "How many microseconds a launch costs depends on the CPU, so on a slower CPU than this one the crossover "
+            "comes at a larger batch.")
+
+
+if prof.on_gpu and host_picture_text(host_pictures):
+    prose.say(host_picture_text(host_pictures))
 
 # %% [markdown]
 # ## 3.2 Finding the largest batch that fits
