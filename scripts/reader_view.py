@@ -18,6 +18,10 @@ execution stamps untouched: only cell metadata, a comment line and markdown link
    ``sitelinks`` extension (``book/_ext/sitelinks.py``) turns every link under ``html.baseurl`` back into a
    relative link to the page, so the built site keeps working offline and its link check still covers them.
    Links inside code cells (sentences rendered by code) are reported, not changed.
+3. **The glossary at first use.** In each chapter, the first use of each term of ``GLOSSARY_FIRST_USE`` in a
+   markdown cell's running text (not in a heading, code, math, a link or an HTML tag) links to the term's row
+   of the glossary (``<baseurl>book/glossary.html#gpu-busy``); a chapter that already links a term's row is
+   left alone.
 
 Idempotent: a second run changes nothing. The twin is rewritten as jupytext writes it from the notebook, which
 is what ``scripts/check_twins.py`` asks; a pair out of sync before the run is refused (sync it first).
@@ -217,11 +221,80 @@ def code_cell_links(nb) -> list[tuple[str, str]]:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# 3. The glossary at first use
+
+# Term as the chapters write it -> its anchor in book/glossary.md (technical terms only: a word that is also
+# plain English, such as "padding" or "verdict", is not linked automatically).
+GLOSSARY_FIRST_USE = {
+    "CUDA context": "cuda-context",
+    "caching allocator": "caching-allocator",
+    "peak allocated": "peak-allocated-memory",
+    "optimizer states": "optimizer-states",
+    "activations": "activations",
+    "autocast": "autocast",
+    "mixed precision": "mixed-precision",
+    "tensor cores": "tensor-cores",
+    "loss scaling": "loss-scaling",
+    "micro-batch": "micro-batch",
+    "gradient accumulation": "gradient-accumulation",
+    "gradient checkpointing": "gradient-checkpointing",
+    "SDPA": "sdpa",
+    "LoRA": "lora",
+    "QLoRA": "qlora",
+    "NF4": "nf4",
+    "DDP": "ddp",
+    "ZeRO": "zero",
+    "FSDP": "fsdp",
+    "NVML": "nvml",
+    "MFU": "mfu",
+    "GPU-busy": "gpu-busy",
+    "GPU busy": "gpu-busy",
+    "host enqueue": "host-enqueue",
+    "host-bound": "host-bound",
+    "GPU-bound": "gpu-bound",
+    "CUDA graph": "cuda-graph",
+    "graph break": "graph-break",
+    "expandable_segments": "expandable-segments",
+}
+# Markdown a link must not go into: headings, code, math, links (and images), HTML tags.
+PROTECTED = re.compile(r"^[ \t]*#[^\n]*|```[\s\S]*?```|`[^`\n]*`|\$\$[\s\S]*?\$\$|\$[^$\n]*\$"
+                       r"|!?\[[^\]]*\]\([^)]*\)|<[^>\n]*>", re.M)
+
+
+def _free_spans(text: str) -> list[tuple[int, int]]:
+    spans, start = [], 0
+    for m in PROTECTED.finditer(text):
+        spans.append((start, m.start()))
+        start = m.end()
+    return spans + [(start, len(text))]
+
+
+def glossary_cells(nb, site: str) -> list[str]:
+    """Link each glossary term's first use in the chapter's running text, in place; the changes made."""
+    glossary = f"{site}book/glossary.html#"
+    markdown = [cell for cell in nb.cells if cell.cell_type == "markdown"]
+    changes = []
+    for term, anchor in GLOSSARY_FIRST_USE.items():
+        if any(f"{glossary}{anchor})" in cell.source for cell in markdown):
+            continue
+        pattern = re.compile(rf"(?<![\w`\[/#.-]){re.escape(term)}(?![\w`-])")
+        for cell in markdown:
+            found = next((m for a, b in _free_spans(cell.source) for m in [pattern.search(cell.source, a, b)] if m),
+                         None)
+            if found:
+                cell.source = (cell.source[: found.start()] + f"[{found.group()}]({glossary}{anchor})"
+                               + cell.source[found.end():])
+                changes.append(f"cell {cell.get('id', '?')}: glossary link for {term!r}")
+                break
+    return changes
+
+
+# ---------------------------------------------------------------------------------------------------------
 
 
 def transform(nb, site: str) -> list[str]:
-    """Both rewrites on a notebook (an ``nbformat`` node), in place; the changes made."""
-    return collapse_cells(nb) + link_cells(nb, site)
+    """The three rewrites on a notebook (an ``nbformat`` node), in place; the changes made."""
+    return collapse_cells(nb) + link_cells(nb, site) + glossary_cells(nb, site)
 
 
 def process(path: Path, site: str, check: bool) -> tuple[list[str], list[tuple[str, str]]]:

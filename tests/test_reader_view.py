@@ -223,3 +223,58 @@ def test_the_site_build_turns_absolute_links_back_into_its_own_pages():
     assert sitelinks.site_target(SITE, SITE) == ("index", "")
     assert sitelinks.site_target("https://pytorch.org/docs/x.html", SITE) is None
     assert sitelinks.site_target(f"{SITE}_static/x.png", SITE) is None
+
+
+# ----- the glossary at first use ------------------------------------------------------------------------
+
+
+def _glossary_ids() -> list[str]:
+    import re
+
+    return re.findall(r'<span id="([^"]+)"></span>', (ROOT / "book" / "glossary.md").read_text(encoding="utf-8"))
+
+
+def test_the_glossary_is_a_table_of_at_least_80_terms_each_with_an_anchor_and_both_languages():
+    text = (ROOT / "book" / "glossary.md").read_text(encoding="utf-8")
+    rows = [line for line in text.splitlines() if line.startswith("| <span id=")]
+    ids = _glossary_ids()
+    assert len(rows) == len(ids) >= 80 and len(set(ids)) == len(ids)
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split(" | ")]
+        assert len(cells) == 3 and all(cells), row
+        assert any("\uac00" <= ch <= "\ud7a3" for ch in cells[1]) or cells[1].isascii(), row  # Korean (or a name)
+    for needed in ("host-enqueue", "gpu-busy", "knee", "graph-break", "verdict", "utilisation-utilization", "mfu"):
+        assert needed in ids, needed
+    assert "utilization" in text and "utilisation" in text
+
+
+def test_every_first_use_link_points_at_a_glossary_anchor():
+    assert set(reader_view.GLOSSARY_FIRST_USE.values()) <= set(_glossary_ids())
+
+
+def _md(source, cell_id):
+    cell = nbformat.v4.new_markdown_cell(source)
+    cell["id"] = cell_id
+    return cell
+
+
+def test_glossary_links_go_to_the_first_use_in_running_text_only():
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        _md("# 8. The GPU-busy fraction\n\nWe time `GPU-busy` in code and $GPU-busy$ in math, [GPU-busy](x.md) "
+            "in a link, <b title='GPU-busy'>x</b>.", "m0"),
+        nbformat.v4.new_code_cell("gpu_busy = 'GPU-busy'"),
+        _md("The *GPU-busy* fraction, then GPU-busy again. LoRA, not QLoRA-ish; a host-bound step.", "m1"),
+        _md("GPU-busy a third time; host-bound again.", "m2"),
+    ]
+    changes = reader_view.glossary_cells(nb, SITE)
+    gloss = f"{SITE}book/glossary.html#"
+    assert nb.cells[0].source.startswith("# 8. The GPU-busy fraction\n\nWe time `GPU-busy` in code")
+    assert gloss not in nb.cells[0].source
+    assert nb.cells[2].source == (f"The *[GPU-busy]({gloss}gpu-busy)* fraction, then GPU-busy again. "
+                                  f"[LoRA]({gloss}lora), not QLoRA-ish; a [host-bound]({gloss}host-bound) step.")
+    assert nb.cells[3].source == "GPU-busy a third time; host-bound again."
+    assert nb.cells[1].source == "gpu_busy = 'GPU-busy'"
+    assert sorted(changes) == ["cell m1: glossary link for 'GPU-busy'", "cell m1: glossary link for 'LoRA'",
+                               "cell m1: glossary link for 'host-bound'"]
+    assert reader_view.glossary_cells(nb, SITE) == []  # idempotent: a linked term is not linked again
