@@ -17,8 +17,10 @@ Fits the screen: every page is loaded at a desktop width (1366 px, where all the
 phone width (390 px, touch). At each, a page fails when it is wider than the screen (the reader would scroll
 the whole page sideways) or when a table runs past the column instead of scrolling inside its own box.
 ``layout.json`` records, per page and width, the page's overflow, each table's width against its box (how far
-a reader scrolls it) and each output figure's rendered scale (rendered over natural width; the smallest one
-per page is printed).
+a reader scrolls it) and each output figure's rendered scale (rendered over natural width). The book's figures
+are drawn at 100 dpi with their smallest text (legends) at 9 pt, 12.5 px at full size (``helpers/plots.py``),
+so a figure's smallest text on screen is about 12.5 px times its scale; the summary counts the figures whose
+text falls under 9 px at each width, and ``--min-figure-text-px 9`` makes each one a failure.
 
 Usage:  python scripts/site_test.py [--html _build/html] [--out _build/site-test]
 Needs the ``playwright`` Python package (from PyPI) and a Chromium binary; Playwright's own browser
@@ -52,6 +54,8 @@ SKIP_DIRS = {"_static", "_sources", "_images", "_downloads"}
 CHAPTER_FOR_SCREENSHOT = "notebooks/01_memory_anatomy.html"
 SCREENSHOTS = {"book/intro.html": "screenshot_landing.png", CHAPTER_FOR_SCREENSHOT: "screenshot_chapter01.png"}
 DESKTOP = {"width": 1366, "height": 900}
+FIGURE_TEXT_PX = 9 * 100 / 72  # helpers/plots.py STYLE: legend.fontsize 9 (pt), savefig.dpi 100
+MIN_FIGURE_TEXT_PX = 9.0
 PHONE = {"width": 390, "height": 844}
 
 
@@ -200,8 +204,14 @@ LAYOUT_PROBE = """
 """
 
 
-def layout_problems(layout: dict) -> list[str]:
-    """What does not fit the screen in one LAYOUT_PROBE result (empty when the page fits)."""
+def figure_text_px(figure: dict) -> float:
+    """The smallest text of a book figure as rendered, in CSS pixels (from its scale)."""
+    return FIGURE_TEXT_PX * figure["scale"]
+
+
+def layout_problems(layout: dict, min_figure_text_px: float = 0.0) -> list[str]:
+    """What does not fit the screen in one LAYOUT_PROBE result (empty when the page fits); figures whose
+    smallest text renders under ``min_figure_text_px`` count only when that is given."""
     width = layout["viewport"]
     problems = []
     if layout["overflow"] > 1:
@@ -210,6 +220,10 @@ def layout_problems(layout: dict) -> list[str]:
     if cut:
         widths = ", ".join(f"{t['width']} px" for t in cut[:5])
         problems.append(f"at {width} px {len(cut)} wide table(s) cut off instead of scrolling ({widths})")
+    small = [f for f in layout["figures"] if figure_text_px(f) < min_figure_text_px]
+    if small:
+        problems.append(f"at {width} px {len(small)} figure(s) with text under {min_figure_text_px:g} px: "
+                        + ", ".join(f"{f['src'].rsplit('/', 1)[-1]} ({figure_text_px(f):.1f} px)" for f in small[:3]))
     return problems
 
 
@@ -324,7 +338,6 @@ def _check_page(context, origin: str, html_dir: Path, out_dir: Path, page_path: 
 def _record_layout(page, res: PageResult, width: int) -> None:
     layout = page.evaluate(LAYOUT_PROBE, width)
     res.layout[layout["viewport"]] = layout
-    res.problems += layout_problems(layout)
 
 
 def _check_layout(context, origin: str, res: PageResult) -> None:
@@ -347,8 +360,11 @@ def layout_summary(results: list[PageResult]) -> list[str]:
         wide = sum(lay["overflow"] > 1 for lay in layouts)
         tables = [t for lay in layouts for t in lay["tables"]]
         scrolled = sum(t["box"] is not None and t["width"] > t["box"] + 1 for t in tables)
-        scales = [f["scale"] for lay in layouts for f in lay["figures"]]
-        smallest = f", smallest figure at {min(scales):.0%} of its size" if scales else ""
+        figures = [f for lay in layouts for f in lay["figures"]]
+        small = sum(figure_text_px(f) < MIN_FIGURE_TEXT_PX for f in figures)
+        smallest = (f"; {small} of {len(figures)} figures with text under {MIN_FIGURE_TEXT_PX:g} px, smallest "
+                    f"figure at {min(f['scale'] for f in figures):.0%} of its size "
+                    f"(text about {min(figure_text_px(f) for f in figures):.1f} px)") if figures else ""
         lines.append(f"layout at {width} px: {wide} of {len(layouts)} pages wider than the screen; "
                      f"{scrolled} of {len(tables)} tables scroll in their box{smallest}")
     return lines
@@ -360,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="_build/site-test", type=Path)
     ap.add_argument("--chromium", default=None)
     ap.add_argument("--allow-skip", action="store_true", help="exit 0 with a message when no Chromium exists")
+    ap.add_argument("--min-figure-text-px", type=float, default=0.0,
+                    help=f"fail a figure whose smallest text renders smaller (e.g. {MIN_FIGURE_TEXT_PX:g}; default: report only)")
     ap.add_argument("pages", nargs="*", help="pages relative to --html (default: all)")
     args = ap.parse_args(argv)
     if not (args.html / "index.html").exists():
@@ -372,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args.allow_skip else 2
     t0 = time.perf_counter()
     results = run_browser(args.html, args.out, chromium, args.pages or None)
+    for r in results:
+        for width in sorted(r.layout, reverse=True):
+            r.problems += layout_problems(r.layout[width], args.min_figure_text_px)
     elapsed = time.perf_counter() - t0
     weight = {r.path: {"total_bytes": r.total_bytes, **r.bytes_by_kind} for r in results}
     (args.out / "page_weight.json").write_text(json.dumps(weight, indent=1, sort_keys=True) + "\n")

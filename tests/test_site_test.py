@@ -75,7 +75,15 @@ def test_layout_summary_counts_per_width():
     redirect = site_test.PageResult("index.html")
     lines = site_test.layout_summary([page, redirect])
     assert lines == [
-        "layout at 1366 px: 0 of 1 pages wider than the screen; 1 of 1 tables scroll in their box, "
-        "smallest figure at 61% of its size",
-        "layout at 390 px: 1 of 1 pages wider than the screen; 1 of 1 tables scroll in their box, "
-        "smallest figure at 29% of its size"]
+        "layout at 1366 px: 0 of 1 pages wider than the screen; 1 of 1 tables scroll in their box; "
+        "1 of 1 figures with text under 9 px, smallest figure at 61% of its size (text about 7.6 px)",
+        "layout at 390 px: 1 of 1 pages wider than the screen; 1 of 1 tables scroll in their box; "
+        "1 of 1 figures with text under 9 px, smallest figure at 29% of its size (text about 3.6 px)"]
+
+
+def test_figure_text_size_fails_only_when_asked():
+    layout = {"viewport": 1366, "overflow": 0, "tables": [],
+              "figures": [{"src": "../_images/a.png", "scale": 0.61}, {"src": "../_images/b.png", "scale": 1.0}]}
+    assert site_test.layout_problems(layout) == []
+    assert site_test.layout_problems(layout, 9) == ["at 1366 px 1 figure(s) with text under 9 px: a.png (7.6 px)"]
+    assert round(site_test.figure_text_px({"scale": 1.0}), 1) == 12.5  # 9 pt at 100 dpi
