@@ -73,18 +73,24 @@ workflows:
 linkcheck: $(STAMP)
 	$(BIN)/jupyter-book build . --builder linkcheck
 
-# Weekly: what a Colab reader gets. A clean venv with only torch (as Colab has), the chapters' own install
-# line (their setup cell's `%pip install`, which installs this repository from GitHub), then every chapter
-# in the tiny profile with that installation (the checkout's helpers are not on the path).
+# Weekly: what a Colab reader gets. A clean venv with what Colab had preinstalled in late 2025
+# (constraints/colab.txt: its torch, transformers 4.57, peft 0.17, accelerate ...), then the chapters' own
+# install line (their setup cell's `%pip install`), then chapters 1 and 6 in the tiny profile with that
+# installation (the checkout's helpers are not on the path). The install line names this repository on
+# GitHub; COLAB_FROM=. (the default) installs the checkout in its place, with the same flags, so that the
+# run tests the pins being changed; COLAB_FROM= (empty) runs the line exactly as a Colab reader does.
 COLAB := .colab-venv
+COLAB_FROM ?= .
+COLAB_CHAPTERS ?= 01_memory_anatomy.ipynb 06_lora_qlora.ipynb
 colab-like:
 	rm -rf $(COLAB)
 	$(PYTHON) -m venv $(COLAB)
-	$(COLAB)/bin/python -m pip install -q "$(TORCH)"
-	$(COLAB)/bin/python scripts/colab_install.py notebooks/01_memory_anatomy.ipynb
-	$(COLAB)/bin/python -m pip install -q pytest nbval ipykernel
+	$(COLAB)/bin/python -m pip install -q -r constraints/colab.txt
+	$(COLAB)/bin/python scripts/colab_install.py $(if $(COLAB_FROM),--source $(COLAB_FROM)) notebooks/01_memory_anatomy.ipynb
+	$(COLAB)/bin/python -m pip install -q pytest nbval
+	$(COLAB)/bin/python -m pip list 2>/dev/null | grep -iE "^(torch|transformers|peft|accelerate|bitsandbytes) " || true
 	cd notebooks && GPUBOOK_PROFILE=tiny MPLBACKEND=Agg ../$(COLAB)/bin/python -m pytest --nbval-lax \
-	  --nbval-current-env -q -p no:cacheprovider --rootdir=. .
+	  --nbval-current-env -q -p no:cacheprovider --rootdir=. $(COLAB_CHAPTERS)
 
 # Maintainers, on a GPU machine: execute the chapters in the full profile, in place, in the order of
 # notebooks/chapters.json (a chapter needing more GPUs than the machine has is skipped, saying so), stamp

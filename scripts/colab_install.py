@@ -2,20 +2,26 @@
 """Run a chapter's own install line (the `%pip install ...` of its Colab-only setup cell) with this Python.
 
     python scripts/colab_install.py notebooks/01_memory_anatomy.ipynb
+    python scripts/colab_install.py --source . notebooks/01_memory_anatomy.ipynb
 
-Used by `make colab-like`: a clean environment that already has torch, as Colab has, gets exactly what a
-Colab reader's first cell installs, then every chapter runs in the tiny profile. Refuses an install line
-that names torch (the book's promise: the setup cell never reinstalls torch).
+Used by `make colab-like`: an environment holding what Colab has preinstalled (constraints/colab.txt) gets
+exactly what a Colab reader's first cell installs, then chapters run in the tiny profile. Refuses an install
+line that names torch (the book's promise: the setup cell never reinstalls torch). ``--source PATH``
+installs the checkout at PATH in place of the repository the line names (``NAME @ git+https://...``), with
+the line's own flags: the same resolution against Colab's packages, for the pins of the checkout.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shlex
 import subprocess
 import sys
 from pathlib import Path
+
+GIT_REQUIREMENT = re.compile(r"^(?:[\w.-]+\s*@\s*)?git\+https?://\S+$")
 
 
 def install_line(notebook: Path) -> list[str]:
@@ -32,8 +38,22 @@ def install_line(notebook: Path) -> list[str]:
     raise ValueError(f"{notebook.name}: no %pip install line in the first code cell")
 
 
+def from_source(args: list[str], source: Path) -> list[str]:
+    """The install arguments with the repository from GitHub replaced by the checkout at ``source``."""
+    replaced = [str(source.resolve()) if GIT_REQUIREMENT.match(a) else a for a in args]
+    if replaced == args:
+        raise ValueError(f"no git+https requirement to replace in: {shlex.join(args)}")
+    return replaced
+
+
 def main(argv: list[str]) -> int:
-    args = install_line(Path(argv[0]))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--source", type=Path, help="install this checkout instead of the repository on GitHub")
+    ap.add_argument("notebook", type=Path)
+    opts = ap.parse_args(argv)
+    args = install_line(opts.notebook)
+    if opts.source is not None:
+        args = from_source(args, opts.source)
     print("pip install", shlex.join(args), flush=True)
     return subprocess.call([sys.executable, "-m", "pip", "install", *args])
 

@@ -13,6 +13,15 @@ It also writes build artefacts to ``--out``: screenshots of the landing page and
 ``page_weight.json`` (bytes each page loads: HTML + CSS + JS + fonts + images, as the browser fetched
 them).
 
+Fits the screen: every page is loaded at a desktop width (1366 px, where all the checks above run) and a
+phone width (390 px, touch). At each, a page fails when it is wider than the screen (the reader would scroll
+the whole page sideways) or when a table runs past the column instead of scrolling inside its own box.
+``layout.json`` records, per page and width, the page's overflow, each table's width against its box (how far
+a reader scrolls it) and each output figure's rendered scale (rendered over natural width). The book's figures
+are drawn at 100 dpi with their smallest text (legends) at 9 pt, 12.5 px at full size (``helpers/plots.py``),
+so a figure's smallest text on screen is about 12.5 px times its scale; the summary counts the figures whose
+text falls under 9 px at each width, and ``--min-figure-text-px 9`` makes each one a failure.
+
 Usage:  python scripts/site_test.py [--html _build/html] [--out _build/site-test]
 Needs the ``playwright`` Python package (from PyPI) and a Chromium binary; Playwright's own browser
 download is not used (its CDN is not reachable from CI): the Debian ``chromium`` package is, found on
@@ -44,6 +53,10 @@ NAN_CELL = re.compile(r"^\s*(NaN|nan|<NA>)\s*$")
 SKIP_DIRS = {"_static", "_sources", "_images", "_downloads"}
 CHAPTER_FOR_SCREENSHOT = "notebooks/01_memory_anatomy.html"
 SCREENSHOTS = {"book/intro.html": "screenshot_landing.png", CHAPTER_FOR_SCREENSHOT: "screenshot_chapter01.png"}
+DESKTOP = {"width": 1366, "height": 900}
+FIGURE_TEXT_PX = 9 * 100 / 72  # helpers/plots.py STYLE: legend.fontsize 9 (pt), savefig.dpi 100
+MIN_FIGURE_TEXT_PX = 9.0
+PHONE = {"width": 390, "height": 844}
 
 
 @dataclass
@@ -51,6 +64,7 @@ class PageResult:
     path: str
     problems: list[str] = field(default_factory=list)
     bytes_by_kind: dict[str, int] = field(default_factory=dict)
+    layout: dict[int, dict] = field(default_factory=dict)  # viewport width -> LAYOUT_PROBE's result
 
     @property
     def total_bytes(self) -> int:
@@ -156,19 +170,61 @@ PAGE_PROBE = """
   const cells = Array.from(document.querySelectorAll('main td, main th')).map(c => c.innerText);
   const launch = Array.from(document.querySelectorAll('a[href*="colab.research.google.com"], '
     + 'a[href*="mybinder.org"], a[href*="/lab/tree/"]')).map(a => a.href);
-  // A table wider than its column must sit in a box that scrolls, or its right edge is cut off.
-  const cut_tables = Array.from(document.querySelectorAll('main table')).filter(t => {
-    if (t.offsetParent === null) return false;
-    for (let e = t.parentElement; e && e.tagName !== 'MAIN'; e = e.parentElement) {
-      const ox = getComputedStyle(e).overflowX;
-      if (ox === 'auto' || ox === 'scroll') return false;
-    }
-    return t.getBoundingClientRect().right > main.getBoundingClientRect().right + 1;
-  }).length;
-  return {text: clone.innerText, imgs, links, cells, launch, cut_tables,
+  return {text: clone.innerText, imgs, links, cells, launch,
           mathjax: typeof window.MathJax !== 'undefined'};
 }
 """
+
+
+# Runs in the page: how it fits the viewport. Page overflow: how much wider than the screen the document is.
+# Tables: each visible table's width, the box that scrolls it (if any) and whether it is cut at the column
+# edge. Figures: each visible output image's rendered width over its natural width.
+LAYOUT_PROBE = """
+(width) => {
+  const doc = document.scrollingElement || document.documentElement;
+  const main = document.querySelector('main') || document.body;
+  const mainRight = main.getBoundingClientRect().right;
+  const tables = Array.from(document.querySelectorAll('main table')).filter(t => t.offsetParent !== null)
+    .map(t => {
+      let box = null;
+      for (let e = t.parentElement; e && e.tagName !== 'MAIN'; e = e.parentElement) {
+        const ox = getComputedStyle(e).overflowX;
+        if (ox === 'auto' || ox === 'scroll') { box = e; break; }
+      }
+      const r = t.getBoundingClientRect();
+      return {width: Math.round(r.width), box: box ? Math.round(box.clientWidth) : null,
+              cut: !box && r.right > mainRight + 1};
+    });
+  const figures = Array.from(document.querySelectorAll('main img'))
+    .filter(i => i.offsetParent !== null && i.naturalWidth > 0 && i.closest('.cell_output'))
+    .map(i => ({src: i.getAttribute('src'), scale: i.getBoundingClientRect().width / i.naturalWidth}));
+  // A phone widens its layout viewport to fit a page that is too wide: compare with the screen's width.
+  return {viewport: width, overflow: Math.max(0, doc.scrollWidth - width), tables, figures};
+}
+"""
+
+
+def figure_text_px(figure: dict) -> float:
+    """The smallest text of a book figure as rendered, in CSS pixels (from its scale)."""
+    return FIGURE_TEXT_PX * figure["scale"]
+
+
+def layout_problems(layout: dict, min_figure_text_px: float = 0.0) -> list[str]:
+    """What does not fit the screen in one LAYOUT_PROBE result (empty when the page fits); figures whose
+    smallest text renders under ``min_figure_text_px`` count only when that is given."""
+    width = layout["viewport"]
+    problems = []
+    if layout["overflow"] > 1:
+        problems.append(f"at {width} px the page is {layout['overflow']} px wider than the screen")
+    cut = [t for t in layout["tables"] if t["cut"]]
+    if cut:
+        widths = ", ".join(f"{t['width']} px" for t in cut[:5])
+        problems.append(f"at {width} px {len(cut)} wide table(s) cut off instead of scrolling ({widths})")
+    small = [f for f in layout["figures"] if figure_text_px(f) < min_figure_text_px]
+    if small:
+        problems.append(f"at {width} px {len(small)} figure(s) with text under {min_figure_text_px:g} px: "
+                        + ", ".join(f"{f['src'].rsplit('/', 1)[-1]} ({figure_text_px(f):.1f} px)" for f in small[:3]))
+    return problems
 
 
 def run_browser(html_dir: Path, out_dir: Path, chromium: str, pages: list[str] | None = None) -> list[PageResult]:
@@ -186,10 +242,15 @@ def run_browser(html_dir: Path, out_dir: Path, chromium: str, pages: list[str] |
     try:
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
-            context = browser.new_context(viewport={"width": 1280, "height": 900})
+            context = browser.new_context(viewport=DESKTOP)
             for page_path in pages:
                 results.append(_check_page(context, origin, html_dir, out_dir, page_path))
             context.close()
+            phone = browser.new_context(viewport=PHONE, is_mobile=True, has_touch=True, device_scale_factor=2)
+            for res in results:
+                if DESKTOP["width"] in res.layout:  # not a redirect page
+                    _check_layout(phone, origin, res)
+            phone.close()
             browser.close()
     finally:
         server.shutdown()
@@ -262,8 +323,6 @@ def _check_page(context, origin: str, html_dir: Path, out_dir: Path, page_path: 
     # A redirect page (index.html) ends on another page: resolve links against where the browser is.
     landed = urlparse(page.url).path.lstrip("/") or "index.html"
     res.problems += check_links(html_dir, landed, probe["links"], anchors_in)
-    if probe["cut_tables"]:
-        res.problems.append(f"{probe['cut_tables']} wide table(s) cut off instead of scrolling")
     for url in probe["launch"]:
         m = re.search(r"/(notebooks/[^/?#]+\.ipynb)", url)
         repo_root = html_dir.parent.parent
@@ -271,8 +330,44 @@ def _check_page(context, origin: str, html_dir: Path, out_dir: Path, page_path: 
             res.problems.append(f"launch button points at no notebook of the repository: {url}")
     if page_path in SCREENSHOTS:
         page.screenshot(path=str(out_dir / SCREENSHOTS[page_path]), full_page=False)
+    _record_layout(page, res, DESKTOP["width"])
     page.close()
     return res
+
+
+def _record_layout(page, res: PageResult, width: int) -> None:
+    layout = page.evaluate(LAYOUT_PROBE, width)
+    res.layout[layout["viewport"]] = layout
+
+
+def _check_layout(context, origin: str, res: PageResult) -> None:
+    """Load a page at another viewport and check only how it fits."""
+    page = context.new_page()
+    page.goto(f"{origin}/{res.path}", wait_until="load", timeout=60_000)
+    page.evaluate("async () => { if (window.MathJax && MathJax.startup) await MathJax.startup.promise;"
+                  " await document.fonts.ready; }")
+    _record_layout(page, res, PHONE["width"])
+    page.close()
+
+
+def layout_summary(results: list[PageResult]) -> list[str]:
+    """One line per viewport width: pages wider than the screen, tables that scroll, smallest figure scale."""
+    lines = []
+    for width in (DESKTOP["width"], PHONE["width"]):
+        layouts = [r.layout[width] for r in results if width in r.layout]
+        if not layouts:
+            continue
+        wide = sum(lay["overflow"] > 1 for lay in layouts)
+        tables = [t for lay in layouts for t in lay["tables"]]
+        scrolled = sum(t["box"] is not None and t["width"] > t["box"] + 1 for t in tables)
+        figures = [f for lay in layouts for f in lay["figures"]]
+        small = sum(figure_text_px(f) < MIN_FIGURE_TEXT_PX for f in figures)
+        smallest = (f"; {small} of {len(figures)} figures with text under {MIN_FIGURE_TEXT_PX:g} px, smallest "
+                    f"figure at {min(f['scale'] for f in figures):.0%} of its size "
+                    f"(text about {min(figure_text_px(f) for f in figures):.1f} px)") if figures else ""
+        lines.append(f"layout at {width} px: {wide} of {len(layouts)} pages wider than the screen; "
+                     f"{scrolled} of {len(tables)} tables scroll in their box{smallest}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -281,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="_build/site-test", type=Path)
     ap.add_argument("--chromium", default=None)
     ap.add_argument("--allow-skip", action="store_true", help="exit 0 with a message when no Chromium exists")
+    ap.add_argument("--min-figure-text-px", type=float, default=0.0,
+                    help=f"fail a figure whose smallest text renders smaller (e.g. {MIN_FIGURE_TEXT_PX:g}; default: report only)")
     ap.add_argument("pages", nargs="*", help="pages relative to --html (default: all)")
     args = ap.parse_args(argv)
     if not (args.html / "index.html").exists():
@@ -293,9 +390,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args.allow_skip else 2
     t0 = time.perf_counter()
     results = run_browser(args.html, args.out, chromium, args.pages or None)
+    for r in results:
+        for width in sorted(r.layout, reverse=True):
+            r.problems += layout_problems(r.layout[width], args.min_figure_text_px)
     elapsed = time.perf_counter() - t0
     weight = {r.path: {"total_bytes": r.total_bytes, **r.bytes_by_kind} for r in results}
     (args.out / "page_weight.json").write_text(json.dumps(weight, indent=1, sort_keys=True) + "\n")
+    layout = {r.path: r.layout for r in results if r.layout}
+    (args.out / "layout.json").write_text(json.dumps(layout, indent=1, sort_keys=True) + "\n")
     failed = [r for r in results if r.problems]
     for r in failed:
         print(f"FAIL {r.path}")
@@ -305,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
         if key in weight:
             print(f"page weight {key}: {weight[key]['total_bytes'] / 2**20:.2f} MiB "
                   + ", ".join(f"{k} {v / 1024:.0f} KiB" for k, v in sorted(weight[key].items()) if k != "total_bytes"))
+    for line in layout_summary(results):
+        print(line)
     print(f"site-test: {len(results)} pages, {len(failed)} failed, {elapsed:.1f} s; artefacts in {args.out}/")
     return 1 if failed else 0
 

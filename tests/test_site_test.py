@@ -51,3 +51,39 @@ def test_list_pages_skips_theme_templates(tmp_path):
     (tmp_path / "_static" / "webpack-macros.html").write_text("")
     (tmp_path / "index.html").write_text("")
     assert site_test.list_pages(tmp_path) == ["index.html"]
+
+
+def test_layout_problems_flag_a_page_wider_than_the_screen_and_cut_tables():
+    fits = {"viewport": 390, "overflow": 0, "figures": [],
+            "tables": [{"width": 1200, "box": 370, "cut": False}, {"width": 300, "box": None, "cut": False}]}
+    assert site_test.layout_problems(fits) == []
+    wide = {**fits, "overflow": 612, "tables": [{"width": 3116, "box": None, "cut": True}]}
+    assert site_test.layout_problems(wide) == [
+        "at 390 px the page is 612 px wider than the screen",
+        "at 390 px 1 wide table(s) cut off instead of scrolling (3116 px)"]
+    assert site_test.layout_problems({**fits, "overflow": 1}) == []  # sub-pixel rounding
+
+
+def test_layout_summary_counts_per_width():
+    page = site_test.PageResult("a.html")
+    page.layout = {
+        1366: {"viewport": 1366, "overflow": 0, "tables": [{"width": 900, "box": 757, "cut": False}],
+               "figures": [{"src": "x.png", "scale": 0.61}]},
+        390: {"viewport": 390, "overflow": 20, "tables": [{"width": 900, "box": 370, "cut": False}],
+              "figures": [{"src": "x.png", "scale": 0.29}]},
+    }
+    redirect = site_test.PageResult("index.html")
+    lines = site_test.layout_summary([page, redirect])
+    assert lines == [
+        "layout at 1366 px: 0 of 1 pages wider than the screen; 1 of 1 tables scroll in their box; "
+        "1 of 1 figures with text under 9 px, smallest figure at 61% of its size (text about 7.6 px)",
+        "layout at 390 px: 1 of 1 pages wider than the screen; 1 of 1 tables scroll in their box; "
+        "1 of 1 figures with text under 9 px, smallest figure at 29% of its size (text about 3.6 px)"]
+
+
+def test_figure_text_size_fails_only_when_asked():
+    layout = {"viewport": 1366, "overflow": 0, "tables": [],
+              "figures": [{"src": "../_images/a.png", "scale": 0.61}, {"src": "../_images/b.png", "scale": 1.0}]}
+    assert site_test.layout_problems(layout) == []
+    assert site_test.layout_problems(layout, 9) == ["at 1366 px 1 figure(s) with text under 9 px: a.png (7.6 px)"]
+    assert round(site_test.figure_text_px({"scale": 1.0}), 1) == 12.5  # 9 pt at 100 dpi
