@@ -93,7 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--factor", type=int, default=4)
     p.add_argument("--bw-warmup", type=int, default=None)
     p.add_argument("--repeat", type=int, default=None)
-    p.add_argument("--timeout-s", type=float, default=900, help="the whole launch, then it is stopped")
+    p.add_argument("--timeout-s", type=float, default=None,
+                   help="the whole launch, then it is stopped and what it wrote is kept (default: 225 s on GPUs, "
+                        "900 s on CPUs)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     tiny = args.tiny
@@ -222,9 +224,11 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for stale in (out / "parts").glob("*.jsonl"):
+    for stale in (out / "parts").glob("*"):
         stale.unlink()
     kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.timeout_s is None:
+        args.timeout_s = 225.0 if kind == "cuda" else 900.0
     nproc = args.ranks or (torch.cuda.device_count() if kind == "cuda" else 2)
     profile = "tiny" if args.tiny else "full"
     n_params = models.n_params(models.build(args.model, profile=profile, head="causal-lm", device="meta",
@@ -264,9 +268,9 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             log("  " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
     (out / "multigpu_bench.log").write_text("\n".join(log.lines) + "\n")
-    for f in (out / "parts").glob("*.jsonl"):  # folded into the JSON
-        f.unlink()
-    if (out / "parts").exists():
+    if (out / "parts").exists():  # folded into the JSON (and a trace a stopped launch left behind)
+        for f in (out / "parts").iterdir():
+            f.unlink()
         (out / "parts").rmdir()
     return 0 if status == "ok" else 1
 
@@ -399,6 +403,7 @@ def measure_engine(args, engine: str, ws: int, group, device, batches) -> dict:
     from helpers import accounting, distributed, models, timing
 
     rank, cuda = dist.get_rank(), device.type == "cuda"
+    before = torch.cuda.memory_allocated(device) / 2**30 if cuda else float("nan")  # left by the previous engine
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     model = _build(args, device)
@@ -451,6 +456,7 @@ def measure_engine(args, engine: str, ws: int, group, device, batches) -> dict:
         "mixed_precision_policy": "bf16 parameters, fp32 reduction" if engine == "fsdp2" else None,
         "step_times_s": step_times, "step_time_median_s": spread.median, "step_time_q1_s": spread.q1,
         "step_time_q3_s": spread.q3, "tokens_per_s_per_gpu": tokens / spread.median,
+        "allocated_before_gib": before,
         "peak_allocated_gib": [float(t[0]) for t in every],
         "peak_allocated_gib_max": max(float(t[0]) for t in every),
         "model_states_gib": [float(t[1]) for t in every],
