@@ -1,6 +1,7 @@
 """Chapter 7 on 1, 2 and 4 GPUs in one launch: collectives' bandwidth, each engine's throughput, memory and bytes.
 
-Run it once on a machine with 4 GPUs (about 3-4 minutes on 4 H100s; it prints its estimate per part first):
+Run it once on a machine with 4 GPUs (about 3 minutes on 4 H100s by its own estimate, which it prints per part
+first; it stops the launch at ``--timeout-s``, 225 s by default on GPUs, and keeps what was written):
 
     python scripts/multigpu_bench.py --out OUT
 
@@ -21,11 +22,16 @@ The parts (``--parts``, all by default), every one on the same processes:
    with its bf16 ``MixedPrecisionPolicy`` instead of autocast) at world sizes 1, 2 and 4, ``--warmup`` untimed
    and ``--steps`` timed steps each: per-step time (the slowest rank's), tokens/s per GPU, per-rank peak
    allocated memory and model-state bytes (against the ZeRO formula). With ``comm`` also chosen, one more
-   step per engine and world size >= 2 runs under ``torch.profiler`` on rank 0: its NCCL kernels' bytes per
+   step per engine at the world sizes ``--comm-world-sizes`` (default: the largest) runs under
+   ``torch.profiler`` on rank 0: its NCCL kernels' bytes per
    collective against ``estimates.engine_transfers`` and their overlap with compute (the trace is deleted).
 3. ``interleaved``: two engines (``--pair``, DDP and FSDP2) at the largest world size, both resident,
    stepped in alternating rounds (``timing.interleaved``, >= 10 rounds): their step-time ratio with its 95%
    interval.
+4. ``big``: ``--big-model`` (Llama-2-7B's shape, from its config) under FSDP2 with the bf16 policy on every rank,
+   built on the meta device, sharded, then materialised shard by shard (``to_empty``) and initialised: per-rank
+   peak and model states against the ZeRO-3 formula, tokens/s per GPU. It comes last: if it runs out of memory
+   or time, the parts before it are kept.
 
 ``--tiny``: the tiny GPT-NeoX twin and small sizes; with ``CUDA_VISIBLE_DEVICES=""`` it runs on CPU
 processes with gloo (``tests/test_distributed_bench.py`` does so), which checks every code path but the
@@ -55,7 +61,7 @@ import torch  # noqa: E402
 
 from helpers import estimates, launching  # noqa: E402
 
-PARTS = ("bandwidth", "training", "comm", "interleaved")
+PARTS = ("bandwidth", "training", "comm", "interleaved", "big")
 ENGINES = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
 # For the time estimate only: what a 4x H100 (NVLink 4) machine roughly does.
 ASSUMED_BUSBW_GB_S = {"cuda": 300.0, "cpu": 1.0}
@@ -86,6 +92,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="timed steps per engine (>= 8 for an interval)")
     p.add_argument("--comm-world-sizes", nargs="+", type=int, default=None,
                    help="world sizes whose step is traced for the bytes per engine (default: the largest)")
+    p.add_argument("--big-model", default="llama-2-7b", help="the model of part 'big' (FSDP2 on every rank)")
+    p.add_argument("--big-batch", type=int, default=None)
+    p.add_argument("--big-seq", type=int, default=None)
+    p.add_argument("--big-warmup", type=int, default=None)
+    p.add_argument("--big-steps", type=int, default=None)
     p.add_argument("--rounds", type=int, default=10, help="interleaved rounds (>= 10)")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--min-bytes", type=int, default=None)
@@ -101,12 +112,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tiny = args.tiny
     defaults = dict(batch=2 if tiny else 4, seq=32 if tiny else 1024, warmup=1 if tiny else 3,
                     steps=8 if tiny else 10, min_bytes=2**12 if tiny else 2**20,
-                    max_bytes=2**18 if tiny else 2**32, bw_warmup=1 if tiny else 5, repeat=10 if tiny else 20)
+                    max_bytes=2**18 if tiny else 2**32, bw_warmup=1 if tiny else 5, repeat=10 if tiny else 20,
+                    big_batch=1, big_seq=32 if tiny else 2048, big_warmup=1 if tiny else 2, big_steps=3 if tiny else 8)
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.warmup < 1 or args.steps < 1:
-        p.error("--warmup and --steps must be >= 1 (the states are counted in the last warm-up step)")
+    if min(args.warmup, args.steps, args.big_warmup, args.big_steps) < 1:
+        p.error("--warmup, --steps, --big-warmup and --big-steps must be >= 1 (the states are counted in the last "
+                "warm-up step)")
     if args.vocab and args.vocab <= 100:
         p.error("--vocab must be > 100 (the random tokens start at 100)")
     if args.rounds < 10:
@@ -144,6 +157,13 @@ def estimate_s(args: argparse.Namespace, nproc: int, kind: str, n_params: float)
         out["training"] = len(args.engines) * sum(per.values())
     if "interleaved" in args.parts:
         out["interleaved"] = 2 * BUILD_S[kind] + 2 * (3 + args.rounds) * step_s
+    if "big" in args.parts:
+        from helpers import models
+
+        big = models.n_params(models.build(args.big_model, profile="tiny" if args.tiny else "full", head="causal-lm",
+                                           device="meta"))
+        big_step_s = 6 * big * args.big_batch * args.big_seq / ASSUMED_TRAIN_FLOP_S[kind] * 1.5
+        out["big"] = 3 * BUILD_S[kind] + (args.big_warmup + args.big_steps) * big_step_s
     out["total"] = sum(out.values())
     return out
 
@@ -301,7 +321,8 @@ def worker(args: argparse.Namespace) -> int:
         if ws <= world:
             groups[ws] = dist.group.WORLD if ws == world else dist.new_group(list(range(ws)))
     part_s = {}
-    for part, fn in (("bandwidth", bandwidth_part), ("training", training_part), ("interleaved", interleaved_part)):
+    for part, fn in (("bandwidth", bandwidth_part), ("training", training_part), ("interleaved", interleaved_part),
+                     ("big", big_part)):
         if part not in args.parts:
             continue
         start = time.perf_counter()
@@ -347,12 +368,14 @@ def _build(args, device):
                         seed=0, **overrides)
 
 
-def _batches(args, n_steps: int, rank: int, device):
+def _batches(args, n_steps: int, rank: int, device, *, batch: int | None = None, seq: int | None = None,
+             vocab: int | None = None):
     from helpers import data
 
-    ds = data.dummy_dataset(args.batch * n_steps, args.seq, task="causal-lm", seed=1000 + rank,
-                            high=min(30000, args.vocab or 30000))
-    return [{k: v.to(device) for k, v in ds[i * args.batch:(i + 1) * args.batch].items()} for i in range(n_steps)]
+    batch, seq = batch or args.batch, seq or args.seq
+    ds = data.dummy_dataset(batch * n_steps, seq, task="causal-lm", seed=1000 + rank,
+                            high=min(30000, vocab or args.vocab or 30000))
+    return [{k: v.to(device) for k, v in ds[i * batch:(i + 1) * batch].items()} for i in range(n_steps)]
 
 
 def _step(model, optimizer, batch, device, autocast: bool, before_zero_grad=None):
@@ -529,6 +552,83 @@ def interleaved_part(args, device, groups, write) -> None:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     dist.barrier()
+
+
+def big_part(args, device, groups, write) -> None:
+    """``--big-model`` (Llama-2-7B's shape) under FSDP2 with the bf16 policy on every rank: built on the meta
+    device, sharded, then each rank materialises and initialises only its shards (a 7B model's fp32 states,
+    108 GB, fit no single GPU)."""
+    import torch.distributed as dist
+
+    from helpers import accounting, distributed, models, timing
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cuda = device.type == "cuda"
+    profile = "tiny" if args.tiny else "full"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    with distributed.exit_all_ranks_on_oom(f"{args.big_model} under FSDP2 on {world} ranks"):
+        model = models.build(args.big_model, profile=profile, head="causal-lm", device="meta")
+        n_params = models.n_params(model)
+        distributed.shard_fsdp2(model, device, mp_policy=distributed.bf16_policy(), group=groups[world])
+        model.to_empty(device=device)
+        torch.manual_seed(0)  # every rank the same seed: DTensor's random ops then draw each shard once
+        std = getattr(model.config, "initializer_range", 0.02)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    torch.nn.init.normal_(p, 0.0, std)
+                else:  # the RMSNorm weights (Llama has no biases)
+                    torch.nn.init.ones_(p)
+            # non-persistent buffers (the rotary frequencies) depend on the width, not the depth: take them from
+            # a one-block, small-vocabulary copy built normally
+            small = models.build(args.big_model, profile=profile, head="causal-lm", device=device,
+                                 num_hidden_layers=1, vocab_size=128)
+            small_buffers = dict(small.named_buffers())
+            for name, buf in model.named_buffers():
+                buf.copy_(small_buffers[name])
+            del small, small_buffers
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        init_s = time.perf_counter() - start
+        batches = _batches(args, args.big_warmup + args.big_steps, rank, device, batch=args.big_batch, seq=args.big_seq,
+                           vocab=model.config.vocab_size)
+        times, held = [], {}
+
+        def count_states() -> None:
+            held.update(accounting.model_state_bytes(model, optimizer))
+
+        losses = []
+        for i in range(args.big_warmup + args.big_steps):
+            _sync(device)
+            t0 = time.perf_counter()
+            losses.append(_step(model, optimizer, batches[i], device, False,
+                                count_states if i == args.big_warmup - 1 else None))
+            _sync(device)
+            if i >= args.big_warmup:
+                times.append(time.perf_counter() - t0)
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    mine = torch.tensor([peak, sum(held.values()) / 2**30], dtype=torch.float64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    spread = timing.Spread.of(tuple(slowest.cpu().tolist()))
+    tokens = args.big_batch * args.big_seq
+    formula = estimates.zero_model_state_bytes(n_params, world, "zero3", param_bytes=4, grad_bytes=4, optimizer_bytes=8)
+    record = {
+        "model": args.big_model, "profile": profile, "n_params": n_params, "world_size": world, "engine": "fsdp2",
+        "batch_per_rank": args.big_batch, "seq_len": args.big_seq, "init_s": init_s,
+        "step_times_s": slowest.cpu().tolist(), "step_time_median_s": spread.median, "step_time_q1_s": spread.q1,
+        "step_time_q3_s": spread.q3, "tokens_per_s_per_gpu": tokens / spread.median,
+        "peak_allocated_gib": [float(t[0]) for t in every], "model_states_gib": [float(t[1]) for t in every],
+        "formula_states_gib": formula["total"] / 2**30, "losses": [float(v) for v in torch.stack(losses).cpu()],
+    }
+    write("big", [record])
+    if rank == 0:
+        print(f"  {args.big_model} on {world}: {record['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, peak "
+              f"{max(record['peak_allocated_gib']):.1f} GiB per rank, states {max(record['model_states_gib']):.1f} GiB "
+              f"(formula {record['formula_states_gib']:.1f})", flush=True)
 
 
 if __name__ == "__main__":

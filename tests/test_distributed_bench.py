@@ -36,8 +36,8 @@ def test_tiny_run_writes_one_json_and_one_log(tiny_run):
     assert "estimated time per part" in log and "torchrun --standalone --nproc_per_node=2" in log
     assert result["status"] == "ok" and result["machine"]["backend"] == "gloo"
     assert result["machine"]["launch_env"] == launching.LAUNCH_ENV_FORCED
-    assert set(result["part_s"]) == {"bandwidth", "training", "interleaved"}
-    assert set(result["estimated_s"]) == {"startup", "bandwidth", "training", "interleaved", "total"}
+    assert set(result["part_s"]) == {"bandwidth", "training", "interleaved", "big"}
+    assert set(result["estimated_s"]) == {"startup", "bandwidth", "training", "interleaved", "big", "total"}
 
 
 def test_tiny_bandwidth_records(tiny_run):
@@ -95,6 +95,18 @@ def test_tiny_interleaved_record(tiny_run):
     assert len(rec["a_times_s"]) == len(rec["b_times_s"]) == 10 and rec["lo"] <= rec["ratio_a_over_b"] <= rec["hi"]
 
 
+def test_tiny_big_model_sharded_from_the_meta_device(tiny_run):
+    """Llama-2-7B's tiny twin built on meta, sharded, materialised shard by shard: it trains (a loss near
+    ln(vocabulary) from random weights, not NaN) and each rank holds half the fp32 states."""
+    _, result = tiny_run
+    (rec,) = result["big"]
+    psi = models.n_params(models.build("llama-2-7b", profile="tiny", head="causal-lm", device="meta"))
+    assert rec["n_params"] == psi and rec["world_size"] == 2 and len(rec["step_times_s"]) == 3
+    assert all(abs(loss - math.log(32000)) < 1.0 for loss in rec["losses"])
+    assert rec["model_states_gib"] == pytest.approx([8 * psi / 2**30] * 2, rel=1e-3)
+    assert rec["formula_states_gib"] == pytest.approx(8 * psi / 2**30)
+
+
 def test_default_run_on_4_gpus_is_estimated_within_240_s():
     args = bench.parse_args(["--out", "x"])
     args.comm_world_sizes = [4]
@@ -104,7 +116,8 @@ def test_default_run_on_4_gpus_is_estimated_within_240_s():
     assert args.max_bytes == 2**32 and args.min_bytes == 2**20 and args.steps >= 8
 
 
-@pytest.mark.parametrize("bad", [["--rounds", "5"], ["--repeat", "3"], ["--warmup", "0"], ["--vocab", "50"]])
+@pytest.mark.parametrize("bad", [["--rounds", "5"], ["--repeat", "3"], ["--warmup", "0"], ["--big-steps", "0"],
+                                 ["--vocab", "50"]])
 def test_arguments_are_checked(bad):
     with pytest.raises(SystemExit):
         bench.parse_args(["--out", "x", *bad])
