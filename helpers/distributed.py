@@ -192,11 +192,11 @@ def no_gradient_sync(model: nn.Module, sync: bool):
     """
     from contextlib import nullcontext
 
-    if hasattr(model, "no_sync") and not hasattr(model, "set_requires_gradient_sync"):  # DDP
-        return nullcontext() if sync else model.no_sync()
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2: a switch, not a context
         model.set_requires_gradient_sync(sync)
         return nullcontext()
+    if hasattr(model, "no_sync") and not sync:  # DDP
+        return model.no_sync()
     return nullcontext()
 
 
