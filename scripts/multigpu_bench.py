@@ -107,6 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=None,
                    help="the whole launch, then it is stopped and what it wrote is kept (default: 225 s on GPUs, "
                         "900 s on CPUs)")
+    p.add_argument("--estimate-only", action="store_true", help="print the time estimate per part and stop")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     tiny = args.tiny
@@ -261,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         f"parts {', '.join(args.parts)}")
     log("estimated time per part (assumed bandwidth and throughput, not measured): "
         + ", ".join(f"{k} {v:.0f} s" for k, v in est.items()))
+    if args.estimate_only:
+        return 0
     argv_worker = [a for a in (sys.argv[1:] if argv is None else argv)] + ["--worker", "--ranks", str(nproc)]
     argv_worker += ["--comm-world-sizes", *map(str, args.comm_world_sizes)]
     launch = launching.torchrun(Path(__file__).resolve(), nproc, argv_worker)

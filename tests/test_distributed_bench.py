@@ -116,6 +116,11 @@ def test_default_run_on_4_gpus_is_estimated_within_240_s():
     assert args.max_bytes == 2**32 and args.min_bytes == 2**20 and args.steps >= 8
 
 
+def test_estimate_only_launches_nothing(tmp_path, capsys):
+    assert bench.main(["--out", str(tmp_path), "--tiny", "--ranks", "4", "--estimate-only"]) == 0
+    assert "estimated time per part" in capsys.readouterr().out and not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("bad", [["--rounds", "5"], ["--repeat", "3"], ["--warmup", "0"], ["--big-steps", "0"],
                                  ["--vocab", "50"]])
 def test_arguments_are_checked(bad):
