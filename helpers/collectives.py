@@ -228,3 +228,23 @@ def records_json(timings: Sequence[CollectiveTiming]) -> str:
     Introduced in chapter 7, section 7.7 (through ``scripts/collectives_bench.py``).
     """
     return json.dumps([t.record() | {"times_s": list(asdict(t)["times_s"])} for t in timings], indent=1)
+
+
+def bandwidth_by_world_size(records: pd.DataFrame | Sequence[dict]) -> pd.DataFrame:
+    """Median bus bandwidth (GB/s) with its spread, one row per collective and size (MiB), one column group per
+    world size: the records of several sweeps (each with a ``world_size`` key, as ``scripts/multigpu_bench.py``
+    writes them) side by side. The spread is the bus bandwidth of the slowest and the fastest quartile's time.
+
+    Introduced in chapter 7, section 7.7.
+    """
+    df = pd.DataFrame(list(records) if not isinstance(records, pd.DataFrame) else records)
+    if "world_size" not in df:
+        raise ValueError("records need a 'world_size' key (one sweep per world size)")
+    factor = [bus_factor(c, int(n)) for c, n in zip(df["collective"], df["n_ranks"], strict=True)]
+    table = pd.DataFrame({
+        "world_size": df["world_size"].astype(int), "collective": df["collective"], "size (MiB)": df["size_bytes"] / 2**20,
+        "busbw (GB/s)": df["busbw_gb_s"],
+        "busbw, q3 time (GB/s)": df["size_bytes"] / df["time_q3_s"] * factor / GB,
+        "busbw, q1 time (GB/s)": df["size_bytes"] / df["time_q1_s"] * factor / GB,
+    })
+    return table.pivot_table(index=["collective", "size (MiB)"], columns="world_size").swaplevel(axis=1).sort_index(axis=1)

@@ -63,3 +63,19 @@ def test_benchmark_on_two_gloo_processes(tmp_path):
         assert 0 < row.busbw_gb_s < 1000  # GB/s: a sane number for two processes of one machine
     table = collectives.bandwidth_table(records)
     assert table.index.names == ["collective", "size (MiB)"] and len(table) == 16
+
+
+def test_bandwidth_by_world_size_puts_two_sweeps_side_by_side():
+    def rec(ws, coll, size, t):
+        return {"world_size": ws, "n_ranks": ws, "collective": coll, "size_bytes": size, "time_q1_s": 0.5 * t,
+                "time_median_s": t, "time_q3_s": 2 * t,
+                "busbw_gb_s": collectives.bus_bandwidth(coll, size, t, ws) / 1e9}
+    records = [rec(ws, c, s, 1e-3 * s / 2**20) for ws in (2, 4) for c in ("all_reduce", "broadcast") for s in (2**20, 2**30)]
+    table = collectives.bandwidth_by_world_size(records)
+    assert table.index.names == ["collective", "size (MiB)"] and len(table) == 4
+    assert list(table.columns.get_level_values(0).unique()) == [2, 4]
+    ar = table.loc[("all_reduce", 1024.0)]
+    assert ar[(4, "busbw (GB/s)")] == pytest.approx(1.5 * ar[(2, "busbw (GB/s)")])  # 2(n-1)/n: 1 at 2, 1.5 at 4
+    assert ar[(2, "busbw, q3 time (GB/s)")] < ar[(2, "busbw (GB/s)")] < ar[(2, "busbw, q1 time (GB/s)")]
+    with pytest.raises(ValueError, match="world_size"):
+        collectives.bandwidth_by_world_size([{k: v for k, v in records[0].items() if k != "world_size"}])
