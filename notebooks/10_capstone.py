@@ -167,7 +167,61 @@ exit_code = plan.main(["--model", "gpt-neox-1.3b", "--batch", "4", "--seq", "256
 # %% [markdown]
 # ## 10.2 The planner against measurements
 #
-# A prediction is worth what its error is. For every setup in `plan.VALIDATION_SETUPS` (both model families;
+# A prediction is worth what its error is, and an error measured on the setups a tool was corrected on says
+# little about the next setup. This section therefore measures two sets, with the same code (`plan.measure`
+# builds the model, runs two real training steps, reads the allocator's peak and frees everything), and
+# reports them separately, held-out first:
+#
+# - **held-out** (`plan.heldout_setups()`, frozen in `helpers/plan/heldout.py` before the planner learned
+#   grouped-query attention, a `use_cache` setting or a reserved-memory margin, and before any of them ran):
+#   19 setups shaped after Llama-3-8B, Llama-3.2-1B, TinyLlama, Mistral-7B and Qwen2.5 (0.5B and 1.5B), built
+#   from their configs with random weights (the 7B/8B shapes keep 2 or 4 of their blocks), families none of
+#   the planner's terms was counted, corrected or fitted on. They cover grouped-query attention, the
+#   generation cache on and off, up to 4096 tokens, peft's standard QLoRA recipe
+#   (`prepare_model_for_kbit_training`), 8-bit, paged 8-bit and Adafactor states, accumulation,
+#   checkpointing and fp16 autocast. The goal, written down before they ran: a median |error| of at most 3%,
+#   a maximum of at most 8%, and at most half of the rows under-predicted. `torch.compile` is not among
+#   them: the planner does not model it (section 10.3 shows it over-predicts a compiled step).
+# - **in-sample** (`plan.VALIDATION_SETUPS`): bert-large and the 1.3B GPT-NeoX, the rows the planner's
+#   terms were checked and corrected on.
+#
+# The error of a row is (predicted − measured) / measured: negative means the planner promises memory the
+# run does not have.
+
+# %%
+heldout = plan.heldout_setups(prof.pick(tiny="tiny", full="full"))  # tiny: the same recipes on CPU-sized twins
+if not prof.on_gpu:
+    print("skipped on CPU: the allocator's peak needs a GPU; the table holds the predictions only")
+heldout_runs = []
+for row, setup in heldout:
+    if not prof.on_gpu:
+        measured = {"status": "not measured (CPU)"}
+    elif seconds_left() < LADDER_RESERVE_S:  # leave the time the speed ladder needs
+        measured = {"status": "not measured (time budget)"}
+    else:
+        try:
+            measured = plan.measure(setup, device=dev, steps=2)  # the in-sample rows' code: 2 steps, then freed
+        except Exception as err:  # one failed setup must not end the chapter: the row says what happened
+            measured = {"status": f"failed: {one_line(err)}"}
+        cleanup.collect()
+    heldout_runs.append((row, setup, measured))
+heldout_errors = plan.heldout_table(heldout_runs)
+heldout_summary = plan.heldout_summary(heldout_errors)
+planner_heldout_median_err_pct = heldout_summary["median_abs_pct"]  # NaN when nothing was measured
+planner_heldout_max_err_pct = heldout_summary["max_abs_pct"]
+print(f"planner_heldout_median_err_pct = {planner_heldout_median_err_pct:.2f}, "
+      f"planner_heldout_max_err_pct = {planner_heldout_max_err_pct:.2f} "
+      f"({heldout_summary['measured']} of {heldout_summary['rows']} held-out rows measured, "
+      f"{heldout_summary['under']} under-predicted)")
+heldout_errors.drop(columns=["why", "status"]).set_index("name")
+
+# %% tags=["remove-input"]
+display(Markdown(plan.describe_heldout(heldout_errors)))
+
+# %% [markdown]
+# ### In-sample: the rows the planner was corrected on
+#
+# For every setup in `plan.VALIDATION_SETUPS` (both model families;
 # fp32, bf16 and fp16; AdamW, fused AdamW, SGD, Adafactor and 8-bit AdamW; accumulation; checkpointing;
 # eager and SDPA attention; LoRA and QLoRA) the notebook runs a few real training steps and reads the
 # allocator's peak (`plan.measure`, which frees everything before it returns), and sets the planner's
@@ -192,9 +246,6 @@ exit_code = plan.main(["--model", "gpt-neox-1.3b", "--batch", "4", "--seq", "256
 # optimizers or checkpointing are outside what they claim to cover, and their errors there say as much about
 # the domain as about the formula; the rows inside it are the full-parameter AdamW rows without
 # checkpointing (#1–8, 11, 17–22 and 29), the ones to read for a fair comparison.
-#
-# The error of a row is (predicted − measured) / measured: negative means the estimator promises memory the
-# run does not have.
 
 # %%
 validation_setups = plan.VALIDATION_SETUPS
@@ -269,7 +320,7 @@ if len(ok):
         axis.set_minor_formatter(plt.matplotlib.ticker.NullFormatter())
     ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8)
     others = error_summary.drop("the planner")["median |error| (%)"]
-    ax.set_title(f"{len(ok)} setups: the planner is off by a median of {planner_median_err_pct:.1f}%, "
+    ax.set_title(f"{len(ok)} in-sample setups: the planner is off by a median of {planner_median_err_pct:.1f}%, "
                  f"the other estimators by {others.min():.0f}% to {others.max():.0f}%", fontsize=10)
 else:
     ax.text(0.5, 0.5, "measured peaks need a GPU", ha="center", va="center", transform=ax.transAxes)
@@ -291,12 +342,13 @@ if measured_ok.sum() >= 3:
     sm = error_summary
     worst = errors.loc[measured_ok, "the planner"].abs().idxmax()
     wrow = validation.loc[worst]
-    goal = ("meets the goal this chapter set itself (median at most 5%, maximum at most 10%)"
-            if planner_median_err_pct <= 5 and planner_max_err_pct <= 10 else
-            "misses the goal this chapter set itself (median at most 5%, maximum at most 10%)")
+    heldout_txt = (f"on the held-out rows above it was {planner_heldout_median_err_pct:.1f}% and "
+                   f"{planner_heldout_max_err_pct:.1f}%" if heldout_summary["measured"] else
+                   "the held-out rows above were not measured in this run")
     lines = [
-        f"Over {int(sm.loc['the planner', 'rows measured'])} measured setups the planner is off by a median of "
-        f"{planner_median_err_pct:.1f}% and at most {planner_max_err_pct:.1f}%, which {goal}. "
+        f"Over the {int(sm.loc['the planner', 'rows measured'])} measured in-sample setups, the rows its terms were "
+        f"checked and corrected on, the planner is off by a median of {planner_median_err_pct:.1f}% and at most "
+        f"{planner_max_err_pct:.1f}% ({heldout_txt}). "
         f"Its worst row is #{worst}, *{wrow['setup']}*: predicted {wrow['predicted peak (GiB)']:.2f} GiB, measured "
         f"{wrow['measured peak (GiB)']:.2f} GiB.\n"
     ]

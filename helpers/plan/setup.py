@@ -81,6 +81,8 @@ class Setup:
     world_size: int = 1
     profile: str = "full"
     head: str | None = None
+    use_cache: bool | None = None
+    name: str | None = None
 
     def replace(self, **changes) -> Setup:
         """A copy with ``changes`` applied."""
@@ -88,7 +90,7 @@ class Setup:
 
     def label(self) -> str:
         """A short one-line description."""
-        parts = [_model_label(self.model), f"b{self.batch}", f"s{self.seq}", self.precision, self.optimizer]
+        parts = [self.name or _model_label(self.model), f"b{self.batch}", f"s{self.seq}", self.precision, self.optimizer]
         if self.grad_accum > 1:
             parts.append(f"ga{self.grad_accum}")
         if self.checkpointing not in ("none", None, 0):
@@ -98,6 +100,8 @@ class Setup:
             parts.append(("qlora" if self.qlora else "lora") + f" r{self.lora_rank}")
         if self.zero_stage:
             parts.append(f"zero{self.zero_stage}x{self.world_size}")
+        if self.use_cache is not None:
+            parts.append("cache" if self.use_cache else "no-cache")
         return " ".join(parts)
 
 
@@ -140,6 +144,8 @@ def validate(s: Setup) -> list[str]:
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {s.zero_stage!r}")
     if s.zero_stage and s.world_size == 1:
         notes.append("ZeRO with world_size 1 partitions nothing: the plan equals stage 0")
+    if s.use_cache not in (None, True, False):
+        raise ValueError(f"use_cache must be True, False or None (the model's default), got {s.use_cache!r}")
     if s.profile not in ("full", "tiny"):
         raise ValueError(f"profile must be 'full' or 'tiny', got {s.profile!r}")
     shape = _shape(s)
