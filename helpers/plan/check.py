@@ -477,7 +477,8 @@ def describe_heldout(table: pd.DataFrame, goal: dict[str, float] | None = None) 
     goal_txt = (f"median |error| at most {goal['median_abs_pct']:g}%, maximum at most {goal['max_abs_pct']:g}%, "
                 f"at most half of the rows under-predicted")
     if misses:
-        parts.append(f"That misses the held-out goal ({goal_txt}): " + ", and ".join(misses) + ".")
+        said = misses[0] if len(misses) == 1 else ", ".join(misses[:-1]) + " and " + misses[-1]
+        parts.append(f"That misses the held-out goal ({goal_txt}): {said}.")
     else:
         parts.append(f"That meets the held-out goal ({goal_txt}).")
     if n < 10:
