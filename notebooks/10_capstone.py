@@ -210,10 +210,11 @@ heldout_errors = plan.heldout_table(heldout_runs)
 heldout_summary = plan.heldout_summary(heldout_errors)
 planner_heldout_median_err_pct = heldout_summary["median_abs_pct"]  # NaN when nothing was measured
 planner_heldout_max_err_pct = heldout_summary["max_abs_pct"]
+under_txt = (f", {heldout_summary['under']} under-predicted ({heldout_summary['under_share']:.0%})"
+             if heldout_summary["measured"] else "")
 print(f"planner_heldout_median_err_pct = {planner_heldout_median_err_pct:.2f}, "
       f"planner_heldout_max_err_pct = {planner_heldout_max_err_pct:.2f} "
-      f"({heldout_summary['measured']} of {heldout_summary['rows']} held-out rows measured, "
-      f"{heldout_summary['under']} under-predicted)")
+      f"({heldout_summary['measured']} of {heldout_summary['rows']} held-out rows measured{under_txt})")
 heldout_errors.drop(columns=["why", "status"]).set_index("name")
 
 # %% tags=["remove-input"]
