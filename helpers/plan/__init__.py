@@ -20,7 +20,9 @@ Its modules, one job each; a module imports only modules listed above it (the te
 - ``terms``     the bytes of each term: weights, gradients, optimizer states, activations, copies, temporaries
 - ``predict``   the phase walk: ``predict`` and the ``Plan`` it returns
 - ``suggest``   the cheapest changes that make a setup fit a budget
-- ``check``     ``measure`` on a device, the validation set, the published ``baselines``, the error table
+- ``heldout``   the frozen held-out set: setups none of the planner's terms was fitted to (data only)
+- ``check``     ``measure`` on a device, the validation set, the held-out set's table and sentence, the
+  published ``baselines``, the error table
 - ``__main__``  the command line
 
 Everything a chapter calls is importable from ``helpers.plan`` itself (``plan.predict``, ``plan.Setup``,
@@ -32,7 +34,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from helpers.plan.check import VALIDATION_SETUPS, baselines, error_summary, error_table, measure
+from helpers.plan.check import (
+    HELDOUT_GOAL,
+    VALIDATION_SETUPS,
+    baselines,
+    describe_heldout,
+    error_summary,
+    error_table,
+    heldout_config,
+    heldout_setups,
+    heldout_summary,
+    heldout_table,
+    measure,
+)
 from helpers.plan.predict import GIB, PHASES, Plan, predict
 from helpers.plan.setup import (
     ALIASES,
@@ -82,7 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 __all__ = [
-    "ACT_COEF_CPU", "ALIASES", "ATTENTIONS", "BNB_MIN_8BIT", "BNB_OPT_BLOCK", "COMPONENTS",
+    "ACT_COEF_CPU", "ALIASES", "HELDOUT_GOAL", "describe_heldout", "heldout_config", "heldout_setups",
+    "heldout_summary", "heldout_table", "ATTENTIONS", "BNB_MIN_8BIT", "BNB_OPT_BLOCK", "COMPONENTS",
     "DEFAULT_LORA_TARGETS", "DQ_BLOCK", "GIB", "NF4_BLOCK", "OPTIMIZERS", "PHASES",
     "PRECISIONS", "SOURCES", "VALIDATION_SETUPS", "Param", "Plan", "Setup", "Shape", "autocast_copy_bytes",
     "baselines", "error_summary", "error_table", "gradient_bytes", "kv_cache_bytes", "layer_activation_bytes",

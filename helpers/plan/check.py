@@ -75,12 +75,16 @@ def _build_model(s: Setup, device: torch.device) -> nn.Module:
 
 
 def _quantize_nf4(model: nn.Module, double_quant: bool) -> nn.Module:
-    """Replace the blocks' linears by bitsandbytes NF4 layers and cast the rest to fp32.
+    """Replace the blocks' linears by bitsandbytes NF4 layers, then run peft's ``prepare_model_for_kbit_training``.
 
     What ``from_pretrained(quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...))`` followed by
-    ``prepare_model_for_kbit_training`` gives (chapter 6, section 6.4), without writing a checkpoint.
+    ``prepare_model_for_kbit_training`` gives (chapter 6, section 6.4), without writing a checkpoint: peft's
+    own function freezes every parameter and upcasts the ones that are not 4-bit (embeddings, norms, the
+    head, biases) to fp32. Its checkpointing is left to ``_build_model`` (``use_gradient_checkpointing=False``
+    here), which enables it as peft does (non-reentrant, inputs that require grad) when the setup asks.
     """
     import bitsandbytes as bnb
+    from peft import prepare_model_for_kbit_training
 
     for parent in list(model.modules()):
         for cname, child in list(parent.named_children()):
@@ -95,11 +99,7 @@ def _quantize_nf4(model: nn.Module, double_quant: bool) -> nn.Module:
                     q.bias = nn.Parameter(child.bias.data.float(), requires_grad=False)
                 setattr(parent, cname, q)
                 del child
-    for p in model.parameters():  # prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-        p.requires_grad_(False)
-        if p.dtype in (torch.float16, torch.bfloat16):
-            p.data = p.data.float()
-    return model
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
 
 
 def _make_optimizer(s: Setup, params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -178,6 +178,8 @@ def _train(s: Setup, dev: torch.device, steps: int, seed: int, base: int, where:
     gc.collect()  # construction leftovers (the 16-bit weights an NF4 conversion replaced)
     scaler = torch.amp.GradScaler(dev.type) if (amp and amp_dtype == torch.float16) else None
     rec = _measure.PhaseRecorder(dev)
+    # the loop's use_cache=False (or True); None leaves the model's default
+    cache_kw = {"use_cache": s.use_cache} if s.use_cache is not None and shape.head == "causal-lm" else {}
     times = []
     saved = 0
     states: dict[str, int] = {}
@@ -189,7 +191,7 @@ def _train(s: Setup, dev: torch.device, steps: int, seed: int, base: int, where:
             where[0] = f"step {step + 1}: forward"
             meter = accounting.SavedTensorMeter(model) if step == steps - 1 and micro == 0 else None
             with rec.phase("forward"), (meter or nullcontext()), torch.autocast(dev.type, dtype=amp_dtype, enabled=amp):
-                loss = model(input_ids=ids, labels=labels).loss / s.grad_accum
+                loss = model(input_ids=ids, labels=labels, **cache_kw).loss / s.grad_accum
             if meter is not None:
                 saved = meter.total_bytes
             where[0] = f"step {step + 1}: backward"
@@ -338,3 +340,156 @@ def error_summary(table: pd.DataFrame, column: str = "error (%)") -> dict[str, f
     """
     err = table[column].dropna().abs()
     return {"median_abs_pct": float(err.median()), "max_abs_pct": float(err.max()), "rows": int(err.size)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The held-out set (helpers/plan/heldout.py): setups the planner was never fitted to
+# ---------------------------------------------------------------------------------------------------
+
+# The goal issue 27 set for the held-out rows: median |error| at most 3%, max at most 8%, and at most half
+# of the rows under-predicted (the dangerous side).
+HELDOUT_GOAL = {"median_abs_pct": 3.0, "max_abs_pct": 8.0, "under_share": 0.5}
+
+# The CPU twin of every held-out config (``profile="tiny"``): the same architecture, attention grouping and
+# recipe on a model small enough to build and run on a CPU in a test.
+_TINY_CONFIG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                    vocab_size=1024, max_position_embeddings=4096)
+
+
+def heldout_config(key: str, profile: str = "full"):
+    """The transformers config of ``heldout.CONFIGS[key]`` (``profile="tiny"``: its CPU twin, same grouping).
+
+    Not used in a chapter directly: part of chapter 10's planner (section 10.2).
+    """
+    from transformers import AutoConfig
+
+    from helpers.plan.heldout import CONFIGS
+
+    fields = dict(CONFIGS[key])
+    model_type = fields.pop("model_type")
+    if profile == "tiny":
+        group = fields["num_attention_heads"] // fields["num_key_value_heads"]  # query heads per key/value head
+        fields.pop("head_dim", None)
+        fields.update(_TINY_CONFIG, num_key_value_heads=max(1, _TINY_CONFIG["num_attention_heads"] // group))
+    elif profile != "full":
+        raise ValueError(f"profile must be 'full' or 'tiny', got {profile!r}")
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def heldout_setups(profile: str = "full") -> list[tuple[dict, Setup]]:
+    """``(row, setup)`` for every row of ``helpers.plan.heldout.HELDOUT``, in its order.
+
+    ``profile="tiny"`` keeps each recipe on the CPU twin of its config, at most 2 x 64 tokens.
+
+    Introduced in chapter 10, section 10.2.
+    """
+    from helpers.plan.heldout import HELDOUT
+
+    out = []
+    for row in HELDOUT:
+        fields = dict(row["setup"])
+        if profile == "tiny":
+            fields.update(batch=min(fields["batch"], 2), seq=min(fields["seq"], 64))
+        out.append((row, Setup(model=heldout_config(row["config"], profile), name=row["name"], profile=profile,
+                               **fields)))
+    return out
+
+
+def heldout_table(rows: Sequence[tuple[dict, Setup, dict]]) -> pd.DataFrame:
+    """Predicted vs measured peak of each ``(row, setup, measure(setup))`` of the held-out set.
+
+    Columns: ``name``, ``family``, ``setup``, ``predicted (GiB)``, ``measured (GiB)``, ``error (%)``
+    (signed: negative promises memory the run did not have), ``predicted phase``, ``measured phase`` (or
+    the measurement's status when it did not run), ``status`` and ``why``.
+
+    Introduced in chapter 10, section 10.2.
+    """
+    out = []
+    for row, s, m in rows:
+        p = predict(s)
+        ok = m.get("status") == "ok" and m.get("peak_allocated_bytes")
+        meas = m["peak_allocated_bytes"] if ok else None
+        out.append({"name": row["name"], "family": row["family"], "setup": s.label(),
+                    "predicted (GiB)": p.peak_gib, "measured (GiB)": meas / GIB if meas else float("nan"),
+                    "error (%)": 100 * (p.peak_bytes / meas - 1) if meas else float("nan"),
+                    "predicted phase": p.peak_phase,
+                    "measured phase": m.get("peak_phase") if ok else m.get("status", "not measured"),
+                    "status": m.get("status", "not measured"), "why": row.get("why", "")})
+    return pd.DataFrame(out)
+
+
+def heldout_summary(table: pd.DataFrame) -> dict[str, Any]:
+    """Median and max |error|, the share under-predicted and the rows measured, overall and per family.
+
+    Values are NaN when no row was measured. Introduced in chapter 10, section 10.2.
+    """
+    err = table["error (%)"].dropna()
+    n = int(err.size)
+    nan = float("nan")
+    fam = {f: {"rows": int(e.size), "median_abs_pct": float(e.abs().median()), "max_abs_pct": float(e.abs().max())}
+           for f, e in err.groupby(table.loc[err.index, "family"])}
+    return {"rows": int(len(table)), "measured": n,
+            "median_abs_pct": float(err.abs().median()) if n else nan,
+            "max_abs_pct": float(err.abs().max()) if n else nan,
+            "under": int((err < 0).sum()), "under_share": float((err < 0).mean()) if n else nan,
+            "families": fam}
+
+
+def describe_heldout(table: pd.DataFrame, goal: dict[str, float] | None = None) -> str:
+    """The chapter's sentences about the held-out rows, right for any outcome (Markdown).
+
+    Says how many rows were measured (and why the others were not), the median and max |error| against
+    ``goal`` (default ``HELDOUT_GOAL``), the worst row and its side, how many rows were under-predicted,
+    the error per family, and any run that ran out of memory.
+
+    Introduced in chapter 10, section 10.2.
+    """
+    goal = goal or HELDOUT_GOAL
+    sm = heldout_summary(table)
+    n, total = sm["measured"], sm["rows"]
+    not_run = table[table["error (%)"].isna()]
+    reasons = not_run["status"].value_counts()
+    why_not = "; ".join(f"{c} {str(r).split(':')[0]}" for r, c in reasons.items())
+    if n == 0:
+        return (f"None of the {total} held-out setups was measured in this run ({why_not}), so this run says "
+                f"nothing about how the planner does on setups it was not fitted to.")
+    parts = [f"On the {n} held-out setup{'s' if n != 1 else ''} measured"
+             + (f" (of {total}; not measured: {why_not})" if len(not_run) else "")
+             + f", setups none of its terms was fitted to, the planner is off by a median of "
+             f"{sm['median_abs_pct']:.1f}% and at most {sm['max_abs_pct']:.1f}%."]
+    e = table["error (%)"]
+    worst = e.abs().idxmax()
+    w = table.loc[worst]
+    side = "under-prediction: it promises memory the run did not have" if w["error (%)"] < 0 else \
+        "over-prediction, the safe side"
+    parts.append(f"Its worst row is *{w['name']}*, {w['why']}: predicted {w['predicted (GiB)']:.2f} GiB, "
+                 f"measured {w['measured (GiB)']:.2f} GiB ({w['error (%)']:+.1f}%), an {side}.")
+    under = sm["under"]
+    parts.append("It under-predicts none of them." if under == 0 else
+                 f"It under-predicts {under} of the {n} row{'s' if n != 1 else ''}.")
+    misses = []
+    if sm["median_abs_pct"] > goal["median_abs_pct"]:
+        misses.append(f"the median is above {goal['median_abs_pct']:g}%")
+    if sm["max_abs_pct"] > goal["max_abs_pct"]:
+        misses.append(f"the maximum is above {goal['max_abs_pct']:g}%")
+    if sm["under_share"] > goal["under_share"]:
+        misses.append("more than half of the rows are under-predicted")
+    goal_txt = (f"median |error| at most {goal['median_abs_pct']:g}%, maximum at most {goal['max_abs_pct']:g}%, "
+                f"at most half of the rows under-predicted")
+    if misses:
+        said = misses[0] if len(misses) == 1 else ", ".join(misses[:-1]) + " and " + misses[-1]
+        parts.append(f"That misses the held-out goal ({goal_txt}): {said}.")
+    else:
+        parts.append(f"That meets the held-out goal ({goal_txt}).")
+    if n < 10:
+        parts.append(f"With {n} rows measured, read these as indications, not a validation.")
+    fams = sm["families"]
+    if len(fams) > 1:
+        parts.append("By family: " + "; ".join(
+            f"{f} median {v['median_abs_pct']:.1f}%, max {v['max_abs_pct']:.1f}% ({v['rows']} row{'s' if v['rows'] != 1 else ''})"
+            for f, v in fams.items()) + ".")
+    oom = table[table["status"] == "oom"]
+    if len(oom):
+        parts.append(f"{len(oom)} held-out run{'s' if len(oom) > 1 else ''} ran out of memory on this GPU: "
+                     + ", ".join(f"*{r}*" for r in oom["name"]) + ".")
+    return " ".join(parts)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import warnings
 from dataclasses import dataclass
@@ -81,6 +82,8 @@ class Setup:
     world_size: int = 1
     profile: str = "full"
     head: str | None = None
+    use_cache: bool | None = None
+    name: str | None = None
 
     def replace(self, **changes) -> Setup:
         """A copy with ``changes`` applied."""
@@ -88,7 +91,7 @@ class Setup:
 
     def label(self) -> str:
         """A short one-line description."""
-        parts = [_model_label(self.model), f"b{self.batch}", f"s{self.seq}", self.precision, self.optimizer]
+        parts = [self.name or _model_label(self.model), f"b{self.batch}", f"s{self.seq}", self.precision, self.optimizer]
         if self.grad_accum > 1:
             parts.append(f"ga{self.grad_accum}")
         if self.checkpointing not in ("none", None, 0):
@@ -98,6 +101,8 @@ class Setup:
             parts.append(("qlora" if self.qlora else "lora") + f" r{self.lora_rank}")
         if self.zero_stage:
             parts.append(f"zero{self.zero_stage}x{self.world_size}")
+        if self.use_cache is not None:
+            parts.append("cache" if self.use_cache else "no-cache")
         return " ".join(parts)
 
 
@@ -140,6 +145,8 @@ def validate(s: Setup) -> list[str]:
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {s.zero_stage!r}")
     if s.zero_stage and s.world_size == 1:
         notes.append("ZeRO with world_size 1 partitions nothing: the plan equals stage 0")
+    if s.use_cache not in (None, True, False):
+        raise ValueError(f"use_cache must be True, False or None (the model's default), got {s.use_cache!r}")
     if s.profile not in ("full", "tiny"):
         raise ValueError(f"profile must be 'full' or 'tiny', got {s.profile!r}")
     shape = _shape(s)
@@ -199,16 +206,29 @@ class Shape:
     linear_names: frozenset[str]
     layer_linears: tuple[tuple[str, int, int], ...]  # (short name, in_features, out_features) of one block
     tied_head: bool
+    kv_heads: int = 0  # key/value heads (grouped-query attention: fewer than ``heads``); 0 = ``heads``
+    head_dim: int = 0  # 0 = hidden // heads
 
     @property
     def n_params(self) -> int:
         return sum(p.numel for p in self.params)
 
+    @property
+    def kv_dim(self) -> int:
+        """Width of the keys (and of the values): key/value heads x head size (``hidden`` without GQA)."""
+        return (self.kv_heads or self.heads) * (self.head_dim or self.hidden // self.heads)
+
     def layer_linear_numel(self) -> int:
         return sum(i * o for _, i, o in self.layer_linears)
 
+    def tied_head_numel(self) -> int:
+        """Elements of an LM head that shares the input embedding's matrix (0 when the head has its own)."""
+        own = any(p.kind == "head" and len(p.shape) == 2 for p in self.params)
+        return self.vocab * self.hidden if self.tied_head and not own else 0
+
     def head_linear_numel(self) -> int:
-        return sum(p.numel for p in self.params if p.kind == "head" and len(p.shape) == 2)
+        """Elements of the head's matrices, a tied LM head included (autocast casts it like any matmul weight)."""
+        return sum(p.numel for p in self.params if p.kind == "head" and len(p.shape) == 2) + self.tied_head_numel()
 
 
 def _resolve_config(model: Any, profile: str) -> tuple[PretrainedConfig, str]:
@@ -223,9 +243,80 @@ def _resolve_config(model: Any, profile: str) -> tuple[PretrainedConfig, str]:
     if path.suffix == ".json" or path.is_dir():
         if not path.exists():
             raise ValueError(f"no config file at {model!r}")
-        cfg = AutoConfig.from_pretrained(str(path.parent if path.is_file() else path))
+        if path.is_dir():
+            path = path / "config.json"
+            if not path.is_file():
+                raise ValueError(f"no config.json in the folder {model!r}")
+        fields = read_config_json(path)
+        model_type = fields.pop("model_type")
+        cfg = AutoConfig.for_model(model_type, **fields)
         return cfg, cfg.to_json_string()
     raise ValueError(f"unknown model {model!r}; known: {', '.join(ALIASES)} (or a path to a config.json)")
+
+
+# The sizes the planner reads from a config: a config.json must give each of them, as a positive integer.
+REQUIRED_CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+# Keys of real checkpoints' config.json files that transformers 5 no longer lists among a config's defaults
+# (moved into ``rope_parameters``, renamed, or metadata): accepted and passed on.
+_LEGACY_CONFIG_KEYS = frozenset({
+    "rope_theta", "rope_scaling", "rotary_pct", "rotary_emb_base", "partial_rotary_factor", "torch_dtype",
+    "gradient_checkpointing", "position_embedding_type", "auto_map", "quantization_config", "use_mrope",
+    "tokenizer_class", "task_specific_params", "finetuning_task", "classifier_dropout", "layer_norm_eps",
+    "max_window_layers", "sliding_window", "use_sliding_window", "head_dim", "attention_bias", "mlp_bias",
+    "pretraining_tp", "hidden_dropout", "attention_dropout", "use_parallel_residual", "layer_types",
+})
+
+
+def _known_config_keys() -> frozenset[str]:
+    from transformers import BertConfig, GPTNeoXConfig, LlamaConfig, MistralConfig, Qwen2Config
+
+    keys = set(_LEGACY_CONFIG_KEYS)
+    for cls in (BertConfig, GPTNeoXConfig, LlamaConfig, MistralConfig, Qwen2Config):
+        keys |= set(cls().to_dict())
+    return frozenset(keys)
+
+
+def read_config_json(path: str | Path) -> dict:
+    """The fields of a ``config.json``, checked: valid JSON, a supported ``model_type``, every size the planner
+    reads (``REQUIRED_CONFIG_KEYS``) given as a positive integer, no key a supported config does not know
+    (a misspelt key would otherwise be dropped silently and its default planned instead).
+
+    Raises ``ValueError`` with one line saying what is wrong. Not used in a chapter directly: part of
+    chapter 10's planner (section 10.1).
+    """
+    path = Path(path)
+    try:
+        fields = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {path.name}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path.name} is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"{path.name} must hold a JSON object, not a {type(fields).__name__}")
+    model_type = fields.get("model_type")
+    if model_type is None:
+        raise ValueError(f"{path.name} has no model_type (the planner knows {', '.join(sorted(_FAMILY))})")
+    if model_type not in _FAMILY:
+        raise ValueError(f"model type {model_type!r} is not supported; the planner knows BERT, GPT-NeoX and Llama "
+                         f"(model_type {', '.join(sorted(_FAMILY))})")
+    missing = [k for k in REQUIRED_CONFIG_KEYS if k not in fields]
+    if missing:
+        raise ValueError(f"{path.name} lacks {', '.join(missing)}: the planner does not fill sizes with defaults")
+    numeric = [*REQUIRED_CONFIG_KEYS, "num_key_value_heads", "max_position_embeddings", "head_dim"]
+    for k in numeric:
+        v = fields.get(k)
+        if v is None and k not in REQUIRED_CONFIG_KEYS:
+            continue
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{path.name}: {k} must be a positive integer, got {v!r}")
+    unknown = sorted(set(fields) - _known_config_keys())
+    if unknown:
+        raise ValueError(f"{path.name} has keys the planner's model types do not know: {', '.join(unknown)}")
+    kv = fields.get("num_key_value_heads")
+    if kv is not None and fields["num_attention_heads"] % kv:
+        raise ValueError(f"{path.name}: num_attention_heads ({fields['num_attention_heads']}) is not a multiple of "
+                         f"num_key_value_heads ({kv})")
+    return fields
 
 
 _FAMILY = {"bert": "bert", "gpt_neox": "gpt_neox", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
@@ -277,6 +368,8 @@ def _shape_cached(key: str, head: str | None, cfg_json: str) -> Shape:
         intermediate=cfg.intermediate_size, heads=cfg.num_attention_heads, vocab=cfg.vocab_size,
         max_positions=getattr(cfg, "max_position_embeddings", 10**9), params=tuple(params),
         linear_names=frozenset(names), layer_linears=tuple(first), tied_head=tied,
+        kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
     )
 
 

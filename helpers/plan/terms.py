@@ -177,6 +177,11 @@ def layer_activation_bytes(s: Setup, *, backend: str = "cuda") -> int:
         total += _lora_activation_delta(s, shape, pc, backend) * q * b
     if backend == "cuda" and pc == "amp":
         total += _amp_16bit_base_delta(s, shape) * q * b
+    if s.attention == "sdpa" and shape.kv_dim < h:
+        # Grouped-query attention: SDPA (enable_gqa, no padding mask) saves the keys and values at their own
+        # width, kv_dim, where the coefficients above count h; eager attention repeats them to h first.
+        # Counted with SavedTensorMeter on CPU (tests/test_plan_terms.py): 2 tensors x their bytes.
+        total -= 2 * (4 if pc == "fp32" else 2) * (h - shape.kv_dim) * q * b
     return int(total)
 
 
@@ -397,7 +402,8 @@ def kv_cache_bytes(s: Setup) -> int:
     cache's concatenation promotes the values, so it holds 2 x 4 bytes per token and hidden unit per
     block, and attention saves the 16-bit casts instead: 8*s*b*h per block that no saved-tensor count
     sees. In every other case (fp32 without autocast, 16-bit weights) attention saves the cache's own
-    tensors, so nothing is added. Checkpointing switches the cache off. Counted on CPU with the
+    tensors, so nothing is added. Checkpointing switches the cache off, and so does ``use_cache=False``.
+    With grouped-query attention the cache holds the keys and values at their own width (``kv_dim``). Counted on CPU with the
     ``DynamicCache`` of the model's output (``tests/test_plan.py``); before this term (the version
     chapter 10's first GPU run validated) the planner left it out and under-predicted the forward
     peaks of these rows by about 8 bytes per token x hidden x layer.
@@ -407,8 +413,8 @@ def kv_cache_bytes(s: Setup) -> int:
     shape = _shape(s)
     if shape.head != "causal-lm" or shape.family not in ("gpt_neox", "llama"):
         return 0
-    if any(_checkpointed_layers(s, shape.layers)) or _pclass(s) != "amp":
+    if s.use_cache is False or any(_checkpointed_layers(s, shape.layers)) or _pclass(s) != "amp":
         return 0
     if s.precision in ("bf16", "fp16") and not s.qlora:  # 16-bit stream: the cache is what attention saves
         return 0
-    return 8 * s.batch * s.seq * shape.hidden * shape.layers
+    return 8 * s.batch * s.seq * shape.kv_dim * shape.layers  # keys and values at their width (GQA: kv_dim)
