@@ -177,6 +177,13 @@ EXERCISES: dict[str, Exercise] = {e.key: e for e in [
        lambda tokens=4096, threshold=3.0: tokens * math.erfc(threshold / math.sqrt(2)),
        "P(|z| ≥ 3) for a standard normal, both tails, times the number of tokens.",
        rtol=0.05, defaults={"tokens": 4096, "threshold": 3.0}),
+    # chapter 3
+    _e("3.2", "share of a 1.3B-model layer's activation bytes that eager attention's s × s matrices take at s = 256",
+       "fraction",
+       lambda a=16, s=256, h=2048: 5 * a * s / (34 * h + 5 * a * s),
+       "Per layer and sample, 34·s·h bytes plus 5·a·s² for the s × s matrices; divide the second by the sum "
+       "(the s of one factor cancels).",
+       rtol=0.03, defaults={"a": 16, "s": 256, "h": 2048}),
     # chapter 4
     _e("4.1a", "the best checkpoint interval k for N = 256 layers", "layers",
        lambda n_layers=256: _checkpoint_best(int(n_layers))[0],
@@ -194,6 +201,11 @@ EXERCISES: dict[str, Exercise] = {e.key: e for e in [
        "A plain step is one forward and a backward of twice its cost; recomputation re-runs the checkpointed "
        "blocks' forward once.",
        rtol=0.05, defaults={"share": 0.5}),
+    # chapter 8
+    _e("8.3", "bytes of GPU memory one leaked scalar loss keeps after its backward pass", "bytes",
+       lambda: 512,
+       "A 0-dimensional fp32 tensor holds 4 bytes, but PyTorch's caching allocator hands out no block smaller "
+       "than its minimum size.", integer=True),
     # chapter 6
     _e("6.1", "trainable LoRA parameters of the whole 1.3B model with all four linear layers adapted", "parameters",
        lambda r=8: 16 * r * _polyglot()["hidden"] * _polyglot()["layers"],

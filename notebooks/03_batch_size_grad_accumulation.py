@@ -1217,7 +1217,7 @@ closing[[c for c in order if c in closing.columns]]
 #
 #    <details><summary>Hint</summary>
 #
-#    Eager attention's per-sample activations include about $5 a s^2$ bytes per layer for the $s \times s$ matrices; SDPA with a fused kernel stores none (its math fallback, used for example for bf16 below compute capability 8.0, stores them too).
+#    Eager attention's per-sample activations include about $5 a s^2$ bytes per layer for the $s \times s$ matrices; SDPA with a fused kernel stores none (its math fallback, used for example for bf16 below compute capability 8.0, stores them too). Work out the share of a layer's bytes these matrices take, then check it: `from helpers import exercises; exercises.check("3.2", your_share)`.
 #
 #    </details>
 #

@@ -1392,7 +1392,8 @@ else:
 # 3. Plant a different leak: append `loss` (not `loss.item()`) to a list every step. How much memory does it
 #    keep per step, and why so little?
 #    <details><summary>Hint</summary>After `backward()` the graph's saved tensors are freed; what is left of
-#    a scalar loss?</details>
+#    a scalar loss? Check your number of bytes per step: `from helpers import exercises;
+#    exercises.check("8.3", your_bytes)`.</details>
 #    <details><summary>Answer</summary>One scalar tensor per step (512 bytes, the allocator's smallest
 #    block) plus its graph nodes on the CPU: such a leak shows up only after many thousands of steps, which is
 #    why it survives in real code.</details>

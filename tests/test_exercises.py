@@ -14,9 +14,9 @@ def ref(key, **inputs):
     return exercises.EXERCISES[key].reference(**inputs)
 
 
-def test_at_least_eighteen_exercises_over_five_chapters():
-    assert len(KEYS) >= 18
-    assert {k.split(".")[0] for k in KEYS} >= {"1", "2", "4", "6", "7"}
+def test_at_least_twenty_exercises_over_seven_chapters():
+    assert len(KEYS) >= 20
+    assert {k.split(".")[0] for k in KEYS} >= {"1", "2", "3", "4", "6", "7", "8"}
 
 
 @pytest.mark.parametrize("key", KEYS)
@@ -93,6 +93,8 @@ def test_reference_values_follow_the_formulas():
     assert ref("7.1") == pytest.approx(2 * ref("7.2"))
     assert ref("7.3") == pytest.approx(3 / 11)
     assert (ref("7.4a"), ref("7.4b")) == (8, 126)
+    assert ref("3.2") == pytest.approx(20480 / (69632 + 20480))  # 5·16·256 against 34·2048: about 0.23
+    assert ref("8.3") == 512
 
 
 def test_inputs_the_reader_passes():
