@@ -6,7 +6,7 @@ chapter and section that introduce it.
 
 Foundations
 - ``gpus``        facts about GPUs by name or compute capability: memory, peak FLOP/s, bandwidth, bf16/TF32/flash
-- ``profiles``    which sizes to run (``tiny`` on a CPU, ``full`` on a GPU) and GPU-only guards
+- ``run_profile`` which sizes to run (``tiny`` on a CPU, ``full`` on a GPU) and GPU-only guards
 - ``measure``     the one reader of GPU memory (NVML, torch's allocator), peaks, phases, budgets; out of memory
 - ``env``         the environment report every chapter prints first; Colab detection; NVLink status
 

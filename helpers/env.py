@@ -20,7 +20,7 @@ import pandas as pd
 import torch
 
 from helpers import measure
-from helpers import profiles as _profiles
+from helpers import run_profile as _run_profile
 
 PACKAGES = ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "datasets")
 
@@ -67,15 +67,15 @@ def gpu_info(index: int = 0) -> dict[str, str | float] | None:
     return {"name": name, "memory_gib": round(total / 2**30, 1), "driver": driver, "count": count}
 
 
-def report(prof: _profiles.Profile | None = None) -> pd.DataFrame:
+def report(prof: _run_profile.Profile | None = None) -> pd.DataFrame:
     """Where this run's outputs came from: hardware, versions and the profile, as a table.
 
-    >>> env.report(profiles.get())
+    >>> env.report(run_profile.get())
 
     Introduced in chapter 1's setup cell.
     """
-    prof = prof or _profiles.get()
-    gpu = gpu_info() if _profiles.cuda_available() else None
+    prof = prof or _run_profile.get()
+    gpu = gpu_info() if _run_profile.cuda_available() else None
     rows: dict[str, str] = {}
     if gpu:
         rows["GPU"] = f"{gpu['count']} x {gpu['name']}, {gpu['memory_gib']} GiB each"
@@ -87,16 +87,16 @@ def report(prof: _profiles.Profile | None = None) -> pd.DataFrame:
     rows["Python"] = platform.python_version()
     for name in PACKAGES:
         rows[name] = package_version(name)
-    rows["profile"] = f"{prof.name} (set {_profiles.ENV_VAR}=tiny|full to override)"
+    rows["profile"] = f"{prof.name} (set {_run_profile.ENV_VAR}=tiny|full to override)"
     rows["Colab"] = "yes" if is_colab() else "no"
     return pd.DataFrame({"value": rows})
 
 
-def start(float_format: str = "{:,.2f}") -> _profiles.Profile:
+def start(float_format: str = "{:,.2f}") -> _run_profile.Profile:
     """The setup every chapter runs after its imports; returns the run profile.
 
     The book's plot style (``plots.use_style``), pandas' number format, the run profile
-    (``profiles.get``), and the report of hardware and versions shown as the cell's output.
+    (``run_profile.get``), and the report of hardware and versions shown as the cell's output.
 
     >>> prof = env.start()
 
@@ -106,7 +106,7 @@ def start(float_format: str = "{:,.2f}") -> _profiles.Profile:
 
     plots.use_style()
     pd.options.display.float_format = float_format.format
-    prof = _profiles.get()
+    prof = _run_profile.get()
     table = report(prof)
     try:
         from IPython.display import display

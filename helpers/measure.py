@@ -28,7 +28,7 @@ import pandas as pd
 import torch
 
 from helpers.gpus import T4_MEMORY_GIB  # the T4 card that t4_budget emulates
-from helpers.profiles import require_cuda
+from helpers.run_profile import require_cuda
 
 MIB = 2**20
 GIB = 2**30

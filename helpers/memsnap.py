@@ -36,7 +36,7 @@ import torch
 
 from helpers.measure import GIB, PHASES
 from helpers.profiler import PHASE_COLORS
-from helpers.profiles import require_cuda
+from helpers.run_profile import require_cuda
 
 ORIGINS = ("before recording", *PHASES, "other")  # a step's phases as measure.PHASES names them
 ORIGIN_COLORS = {"before recording": "#B0B0B0", **PHASE_COLORS, "other": "#8172B3"}

@@ -26,7 +26,7 @@ from transformers import (
     PretrainedConfig,
 )
 
-from helpers import profiles as _profiles
+from helpers import run_profile as _run_profile
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def config(name: str, profile: str | None = None, **overrides) -> PretrainedConf
     Introduced in chapter 1, section 1.4.
     """
     entry = spec(name)
-    prof = _profiles.validate(profile) if profile is not None else _profiles.get().name
+    prof = _run_profile.validate(profile) if profile is not None else _run_profile.get().name
     kwargs = dict(entry.full)
     if prof == "tiny":
         kwargs.update(entry.tiny)
@@ -144,7 +144,7 @@ def build(
     if attn_implementation not in ATTENTION:
         raise ValueError(f"attn_implementation must be one of {', '.join(ATTENTION)}, got {attn_implementation!r}")
     cfg = config(name, profile, **config_overrides)
-    device = torch.device(device if device is not None else _profiles.get().device)
+    device = torch.device(device if device is not None else _run_profile.get().device)
     cuda = [device] if device.type == "cuda" else []
     # The weights come from ``seed``; the random generators are given back as they were, so building a
     # model changes no later random number (dropout masks, batches) of the caller.

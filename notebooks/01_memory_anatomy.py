@@ -61,7 +61,7 @@ import torch
 from IPython.display import Markdown, display
 from transformers import Trainer, TrainingArguments
 
-from helpers import accounting, cleanup, data, estimates, gpus, measure, models, plots, profiles, timing
+from helpers import accounting, cleanup, data, estimates, gpus, measure, models, plots, run_profile, timing
 from helpers.measure import GIB, MIB
 
 prof = env.start()  # plot style, number format, run profile; the table below names hardware and versions
@@ -76,7 +76,7 @@ prof = env.start()  # plot style, number format, run profile; the table below na
 
 # %%
 nvml_used = {}  # NVML "used" at each moment, MiB
-if profiles.cuda_or_skip("NVML reads an NVIDIA GPU's memory"):
+if run_profile.cuda_or_skip("NVML reads an NVIDIA GPU's memory"):
     nvml_used["before any CUDA call"] = measure.nvml_used_mib()
     torch.ones(1, device="cuda")  # the first CUDA call creates this process's CUDA context
     baseline_mib = torch.cuda.memory_allocated() / MIB  # the chapter's baseline, checked in the last cell
@@ -95,7 +95,7 @@ bert_weights_mib = accounting.param_bytes(model) / MIB
 print(f"{n_bert:,} parameters -> {bert_weights_mib:,.0f} MiB of fp32 weights on {prof.device}")
 
 # %%
-if profiles.cuda_or_skip("NVML reads an NVIDIA GPU's memory"):
+if run_profile.cuda_or_skip("NVML reads an NVIDIA GPU's memory"):
     nvml_used["after loading bert-large"] = measure.nvml_used_mib()
     steps = pd.DataFrame({"NVML used (MiB)": nvml_used})
     steps["increase (MiB)"] = steps["NVML used (MiB)"].diff()
@@ -231,7 +231,7 @@ else:
 # number, so its bar is not split.
 
 # %%
-if profiles.cuda_or_skip("NVML reads an NVIDIA GPU's memory") and prof.is_full:
+if run_profile.cuda_or_skip("NVML reads an NVIDIA GPU's memory") and prof.is_full:
     nvml_split, ok_rows = {}, {k: r for k, r in trainer_rows.items() if r["result"] == "ok"}
     for label, r in ok_rows.items():
         known = {"before this process": nvml_used["before any CUDA call"],
@@ -256,7 +256,7 @@ if profiles.cuda_or_skip("NVML reads an NVIDIA GPU's memory") and prof.is_full:
 
 # %%
 freed = cleanup.free(globals(), "eager_model")
-if profiles.cuda_or_skip("the allocator's numbers exist only on a GPU"):
+if run_profile.cuda_or_skip("the allocator's numbers exist only on a GPU"):
     print(f"freed {freed.allocated_freed_mib:,.0f} MiB allocated, {freed.reserved_freed_mib:,.0f} MiB reserved; "
           f"now allocated: {freed.allocated_after_mib:,.0f} MiB, NVML used: {measure.nvml_used_mib():,.0f} MiB")
 
@@ -390,7 +390,7 @@ print(bpp.to_string(float_format="{:.2f}".format))
 # this check fails:
 
 # %%
-if profiles.cuda_or_skip("the allocator's numbers exist only on a GPU"):
+if run_profile.cuda_or_skip("the allocator's numbers exist only on a GPU"):
     counted_mib = sum(states[k] for k in accounting.MODEL_STATES) / MIB
     allocated_mib = phases.loc["2: step", "allocated_mib"]
     print(f"allocated after the second step: {allocated_mib:,.1f} MiB; counted model states: {counted_mib:,.1f} MiB; "
@@ -442,7 +442,7 @@ display(Markdown(
 ))
 
 # %%
-if profiles.cuda_or_skip("peak allocated memory is an allocator statistic"):
+if run_profile.cuda_or_skip("peak allocated memory is an allocator statistic"):
     cleanup.free(globals(), "optimizer", "loss", "saved", "saved_fp32", "saved_amp")
 
 
@@ -655,7 +655,7 @@ llm_rows, llm_phases = [], {}
 cleanup.free(globals(), "model")  # bert-large is done; start from an empty allocator
 if prof.on_gpu:
     print(f"allocated before the experiment: {torch.cuda.memory_allocated() / MIB:,.0f} MiB")
-if profiles.cuda_or_skip("emulating the T4's memory needs a GPU; the tiny models run without a cap"):
+if run_profile.cuda_or_skip("emulating the T4's memory needs a GPU; the tiny models run without a cap"):
     budget = measure.t4_budget(nvml_used["before any CUDA call"])
     t4_budget_gib = budget.budget_gib
     print(budget.describe())
@@ -717,7 +717,7 @@ else:
 # %%
 if prof.on_gpu:
     llm_ok = llm[llm.result == "ok"]
-if profiles.cuda_or_skip("the per-phase peak is an allocator statistic"):
+if run_profile.cuda_or_skip("the per-phase peak is an allocator statistic"):
     ph4 = (llm_phases[4][["peak_allocated_mib", "allocated_mib"]] * MIB / GIB).rename(
         columns={"peak_allocated_mib": "peak during the phase", "allocated_mib": "allocated after the phase"})
     fig = plots.lines(ph4.reset_index(drop=True).reset_index(), x="index", ys=list(ph4.columns),
@@ -882,7 +882,7 @@ if prof.on_gpu:
         f"{fwd_bwd.evidence} for forward and backward together.) "
         "Element-wise operations (dropout, GeLU, layer norm) are bound by memory bandwidth instead, and their "
         "backward pass reads more tensors than their forward pass did; where they weigh more (small hidden sizes, "
-        "long sequences with eager attention) the ratio moves away from 2. Chapter 8 profiles where the time goes, "
+        "long sequences with eager attention) the ratio moves away from 2. Chapter 8 run_profile where the time goes, "
         "operator by operator."
     ))
 else:

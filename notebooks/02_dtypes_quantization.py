@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from IPython.display import Markdown, display
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, GemmaConfig, MistralConfig
 
-from helpers import accounting, cleanup, gpus, models, plots, profiles, timing
+from helpers import accounting, cleanup, gpus, models, plots, run_profile, timing
 from helpers.measure import GIB, MIB
 
 prof = env.start("{:,.4g}")  # plot style, number format, run profile; the table below names hardware and versions
@@ -460,7 +460,7 @@ text += " On the GPU we check one row for real: the 1.3B model built in bf16 occ
 display(Markdown(text))
 
 # %%
-if profiles.cuda_or_skip("the allocator's numbers exist only on a GPU"):
+if run_profile.cuda_or_skip("the allocator's numbers exist only on a GPU"):
     before = torch.cuda.memory_allocated()
     bf16_model = models.build("polyglot-ko-1.3b", head="causal-lm", dtype=torch.bfloat16)
     built_gib = (torch.cuda.memory_allocated() - before) / GIB
@@ -879,7 +879,7 @@ else:
 # slower only when the whole interval lies beyond ±3%:
 
 # %%
-if profiles.cuda_or_skip("kernel timings are only meaningful on the GPU"):
+if run_profile.cuda_or_skip("kernel timings are only meaningful on the GPU"):
     with torch.no_grad():
         vs_ref = {name: timing.interleaved(lambda: layers[REF](x_in), lambda layer=layer: layer(x_in), device="cuda",
                                            names=(REF, name), loop=10)

@@ -75,7 +75,7 @@ from helpers import (
     models,
     plots,
     profiler,
-    profiles,
+    run_profile,
     steps,
 )
 from helpers.measure import GIB, MIB
@@ -100,7 +100,7 @@ from IPython.display import Markdown, display
 from helpers import prose, timing
 
 t4_budget_gib, chapter_baseline_mib = None, 0.0
-if profiles.cuda_or_skip("emulating a T4 needs a GPU"):
+if run_profile.cuda_or_skip("emulating a T4 needs a GPU"):
     budget, chapter_baseline_mib = measure.t4_start()  # the context with cuBLAS loaded; the chapter's baseline
     t4_budget_gib = budget.budget_gib
     print(f"emulated T4: {budget.describe()}")
@@ -510,7 +510,7 @@ def polyglot_step(batch_size):
     steps.train_step(model, optimizer, make_batch(name, batch_size))
 
 
-if profiles.cuda_or_skip("a real out-of-memory error needs a GPU; on a CPU the search runs against a simulated limit"):
+if run_profile.cuda_or_skip("a real out-of-memory error needs a GPU; on a CPU the search runs against a simulated limit"):
     print(f"allocated before the search: {baseline_mib:,.0f} MiB (weights + AdamW states)")
     with measure.gpu_budget(t4_budget_gib):
         t4_search = batching.largest_batch(polyglot_step)
@@ -769,7 +769,7 @@ for label, (micro_size, steps_per_update) in HF_ROWS.items():
         attempt = batching.try_batch(
             lambda m, s=steps_per_update: accumulation_cost(name, model, optimizer, m, s), micro_size)
     cost_rows[label] = attempt.value if attempt.fits else {"result": f"out of memory ({attempt.error})"}
-if profiles.cuda_or_skip("the whole card differs from the T4 only on a larger GPU"):
+if run_profile.cuda_or_skip("the whole card differs from the T4 only on a larger GPU"):
     attempt = batching.try_batch(lambda m: accumulation_cost(name, model, optimizer, m, 1), 16)
     cost_rows["bs 16, whole card"] = attempt.value if attempt.fits else {"result": f"out of memory ({attempt.error})"}
 bert_grad_gib = accounting.param_bytes(model) / GIB  # fp32 gradients: one per weight, the weights' size

@@ -65,7 +65,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from helpers import accounting, batching, cleanup, gpus, measure, profiles, steps
+from helpers import accounting, batching, cleanup, gpus, measure, run_profile, steps
 from helpers.measure import GIB, MIB
 
 prof = env.start()  # plot style, number format, run profile; the table below names hardware and versions
@@ -87,7 +87,7 @@ from helpers import flops, prose, timing
 
 cap = gpus.capability()
 t4_budget_gib, chapter_baseline_mib = None, 0.0
-if profiles.cuda_or_skip("emulating a T4 needs a GPU"):
+if run_profile.cuda_or_skip("emulating a T4 needs a GPU"):
     budget, chapter_baseline_mib = measure.t4_start()  # the context with cuBLAS loaded; the chapter's baseline
     t4_budget_gib = budget.budget_gib
     print(f"emulated T4: {budget.describe()}")

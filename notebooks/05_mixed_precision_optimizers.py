@@ -61,7 +61,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 
-from helpers import accounting, cleanup, data, estimates, flops, gpus, measure, models, plan, profiles
+from helpers import accounting, cleanup, data, estimates, flops, gpus, measure, models, plan, run_profile
 from helpers.measure import GIB, MIB
 
 prof = env.start()  # plot style, number format, run profile; the table below names hardware and versions
@@ -896,7 +896,7 @@ def train_optimizer(name, steps=kw_steps):
 
 opt_rows, opt_losses, opt_timed, opt_step_t = [], {}, {}, {}
 for name in OPTIMIZERS:
-    if name.startswith("paged") and not profiles.cuda_or_skip("paged optimizers allocate CUDA unified memory"):
+    if name.startswith("paged") and not run_profile.cuda_or_skip("paged optimizers allocate CUDA unified memory"):
         continue
     row, opt_losses[name], opt_timed[name], opt_step_t[name] = train_optimizer(name)
     opt_rows.append(row)
@@ -1117,7 +1117,7 @@ print(reads_table.to_string())
 
 # %%
 MODES = {"fp32": torch.float32}
-if profiles.cuda_or_skip("TF32 and 16-bit tensor-core matmuls need an NVIDIA GPU; the CPU sweep is fp32 at small sizes"):
+if run_profile.cuda_or_skip("TF32 and 16-bit tensor-core matmuls need an NVIDIA GPU; the CPU sweep is fp32 at small sizes"):
     if cap.tf32:
         MODES["tf32"] = torch.float32
     else:
@@ -1452,7 +1452,7 @@ else:
 # overlaps the copy with GPU work. The bandwidth of one 256 MiB copy (median of ten):
 
 # %%
-if profiles.cuda_or_skip("host-to-GPU copies need a GPU"):
+if run_profile.cuda_or_skip("host-to-GPU copies need a GPU"):
     host = torch.randn(64 * 2**20)  # 256 MiB of fp32
     pinned = host.pin_memory()
     copy_gib_s = {}

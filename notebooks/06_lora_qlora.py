@@ -68,7 +68,7 @@ import torch
 from torch import nn
 from transformers.utils import logging as hf_logging
 
-from helpers import accounting, cleanup, data, estimates, gpus, measure, models, plots, profiles
+from helpers import accounting, cleanup, data, estimates, gpus, measure, models, plots, run_profile
 from helpers.measure import GIB, MIB
 
 hf_logging.disable_progress_bar()  # from_pretrained and save_pretrained draw no progress bars
@@ -384,7 +384,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 LR_FULL, LR_LORA = 1e-4, 1e-3
 ALL_LINEAR = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")  # every linear layer of the blocks
 PAGING_MIN_VALUES = 100_000  # bitsandbytes (Optimizer8bit.get_state_buffer) pages only tensors this large or larger
-paged_ok = profiles.cuda_or_skip("paged optimizers need CUDA unified memory; the 8-bit runs use the non-paged AdamW8bit")
+paged_ok = run_profile.cuda_or_skip("paged optimizers need CUDA unified memory; the 8-bit runs use the non-paged AdamW8bit")
 Optim8bit = bnb.optim.PagedAdamW8bit if paged_ok else bnb.optim.AdamW8bit
 print(f"16 bytes per parameter of model states for full fine-tuning: {16 * n_base / GIB:.1f} GiB")
 
@@ -493,7 +493,7 @@ def run(build, steps, busy=True):
 # %%
 curve_steps = prof.pick(tiny=10, full=100)
 budget = None
-if profiles.cuda_or_skip("emulating the T4's memory needs a GPU; on a CPU the runs are not capped"):
+if run_profile.cuda_or_skip("emulating the T4's memory needs a GPU; on a CPU the runs are not capped"):
     cleanup.free(globals())
     budget = measure.t4_budget(nvml_before_cuda)
     print(budget.describe())

@@ -83,8 +83,8 @@ from helpers import (
     models,
     plots,
     profiler,
-    profiles,
     prose,
+    run_profile,
     timing,
 )
 from helpers.gpus import T4_MEMORY_GIB
@@ -604,7 +604,7 @@ fig.tight_layout()
 # On the GPUs, the peak allocated memory of each rank, the number that decides whether a run fits:
 
 # %%
-if profiles.cuda_or_skip("peak allocated memory is an allocator statistic"):
+if run_profile.cuda_or_skip("peak allocated memory is an allocator statistic"):
     peak = table["peak allocated (GiB)"].unstack("world_size").reindex(estimates.STAGES)
     peak.index = labels
     ax = peak.plot.bar(rot=0, figsize=(8, 4), color=["#8C8C8C", "#4C72B0"][-len(peak.columns):])
@@ -862,7 +862,7 @@ else:
 H200_NVLINK_PER_DIRECTION_GB_S = 450.0  # NVIDIA H200 datasheet: 900 GB/s NVLink, both directions together
 NCCL_EFFECTIVE_NVLINK4_GB_S = 370.0  # Jeaugey (2024), nccl-tests issue 212: line rate less ~20% protocol overhead
 nominal = {}  # label -> GB/s per direction, drawn as lines
-if profiles.cuda_or_skip("no NVLink between CPU processes (gloo moves data through the host)"):
+if run_profile.cuda_or_skip("no NVLink between CPU processes (gloo moves data through the host)"):
     gpu_name = torch.cuda.get_device_name(0)
     found = env.nvlink_status()
     links = found[1].get(0, []) if found else []

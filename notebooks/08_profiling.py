@@ -81,8 +81,8 @@ from helpers import (
     memsnap,
     models,
     profiler,
-    profiles,
     prose,
+    run_profile,
     steps,
     timing,
 )
@@ -793,7 +793,7 @@ def graph_vs_eager_quiet(name, batch_size):
 
 
 graph_result, graph_cats = None, None
-if profiles.cuda_or_skip("CUDA graphs need a GPU"):
+if run_profile.cuda_or_skip("CUDA graphs need a GPU"):
     graph_bs = SETUPS["bert-large-uncased"]["batches"][0]
     attempt = batching.try_batch(lambda bs: graph_vs_eager_quiet("bert-large-uncased", bs), graph_bs)
     graph_result = attempt.value if attempt.fits else None
@@ -1006,7 +1006,7 @@ if prof.on_gpu and len(ceiling_rows) >= 2:
 
 # %%
 snap = None
-if profiles.cuda_or_skip("the allocator's history is CUDA-only"):
+if run_profile.cuda_or_skip("the allocator's history is CUDA-only"):
     snap_bs = SETUPS["bert-large-uncased"]["batches"][0]
     model, optimizer = build("bert-large-uncased")
     step = steps.make_step(model, optimizer, batch_of("bert-large-uncased", snap_bs), amp=AMP_STEP)
@@ -1167,7 +1167,7 @@ churn = {}
 CHURN_SCRIPT = Path("scripts/alloc_churn.py")
 if not CHURN_SCRIPT.exists() and prof.on_gpu:  # e.g. Colab, where only the helpers package is installed
     print(f"skipped: {CHURN_SCRIPT} is not here (run the notebook from the book's notebooks/ folder to see this part)")
-elif profiles.cuda_or_skip("the caching allocator is CUDA's"):
+elif run_profile.cuda_or_skip("the caching allocator is CUDA's"):
     for label, conf in (("default", ""), ("expandable_segments", "expandable_segments:True")):
         out = TRACES / f"churn_{label}.json"
         env_vars = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
@@ -1254,7 +1254,7 @@ def time_empty_cache(batch_size):
 
 
 ec = None
-if profiles.cuda_or_skip("empty_cache only matters on a GPU"):
+if run_profile.cuda_or_skip("empty_cache only matters on a GPU"):
     for bs_ec in reversed(SETUPS["bert-large-uncased"]["batches"]):  # the larger batch, else the smaller one
         attempt = batching.try_batch(time_empty_cache, bs_ec)
         if attempt.fits:

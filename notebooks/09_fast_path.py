@@ -88,8 +88,8 @@ from helpers import (
     models,
     packing,
     profiler,
-    profiles,
     prose,
+    run_profile,
     steps,
     timing,
 )
@@ -556,7 +556,7 @@ else:
 
 # %%
 dtype_cmp = {}
-if profiles.cuda_or_skip("fp16 and bf16 attention kernels are a GPU matter") and cap.bf16:
+if run_profile.cuda_or_skip("fp16 and bf16 attention kernels are a GPU matter") and cap.bf16:
     with charged():
         for impl in IMPLS:
             for s_ in (1024, 4096):
@@ -1250,7 +1250,7 @@ def captured(fn, warmup=3, before_capture=None):
 
 
 sdpa_probe = None
-if profiles.cuda_or_skip("CUDA graphs need a GPU"):
+if run_profile.cuda_or_skip("CUDA graphs need a GPU"):
     q, k, v = qkv(4, 16, 512, 64, AMP)
     rows = {}
     for p_drop in (0.0, 0.1):
@@ -1280,7 +1280,7 @@ if profiles.cuda_or_skip("CUDA graphs need a GPU"):
 
 # %%
 mask_probe = None
-if profiles.cuda_or_skip("the kernel names under compilation and capture need a GPU"):
+if run_profile.cuda_or_skip("the kernel names under compilation and capture need a GPU"):
     pb, ps = 4, 512
     q, k, v = qkv(pb, 16, ps, 64, AMP)
     sdpa_masks = {"no mask": None,
@@ -1472,7 +1472,7 @@ def graph_runs(batch_size):
 
 
 graph_result = None
-if profiles.cuda_or_skip("CUDA graphs need a GPU"):
+if run_profile.cuda_or_skip("CUDA graphs need a GPU"):
     with charged():
         graph_result = graph_runs(4)
     g_cmp = {k: v for k, v in graph_result.items() if isinstance(v, timing.Comparison)}
@@ -1649,7 +1649,7 @@ def side(label, model, optimizer):
 
 
 load_cmp, first_batch_s, copy_cmp = {}, {}, None
-if profiles.cuda_or_skip("an input stall means a GPU waiting; on a CPU the workers compete with the model"):
+if run_profile.cuda_or_skip("an input stall means a GPU waiting; on a CPU the workers compete with the model"):
     model, optimizer = build("bert-large-uncased")
     with charged():
         for base, cand in ((STAGED, W0), (W0, WN), (STAGED, WN_PIN)):

@@ -73,8 +73,8 @@ from helpers import (
     measure,
     models,
     plan,
-    profiles,
     prose,
+    run_profile,
     steps,
     timing,
 )
@@ -112,7 +112,7 @@ AMP = gpus.amp_dtype()
 AMP_NAME = {torch.bfloat16: "bf16", torch.float16: "fp16"}[AMP]
 t4 = None
 ON_T4 = prof.on_gpu and gpus.gpu_key(torch.cuda.get_device_name()) == "T4"  # a real T4: nothing to emulate
-if profiles.cuda_or_skip("the T4 budget and the allocator's baseline need a GPU"):
+if run_profile.cuda_or_skip("the T4 budget and the allocator's baseline need a GPU"):
     nvml_before = measure.nvml_used_mib()
     torch.ones(256, 256, device="cuda") @ torch.ones(256, 256, device="cuda")
     t4 = measure.t4_budget(nvml_before)
@@ -1102,7 +1102,7 @@ recipe_run = None
 if not t4_options:
     print(f"no change of one or two settings that keeps full fine-tuning and a T4 can run fits {T4_BUDGET_GIB:.2f} GiB: "
           "nothing to run")
-elif profiles.cuda_or_skip("running the recipe needs a GPU (the plan above is pure arithmetic)"):
+elif run_profile.cuda_or_skip("running the recipe needs a GPU (the plan above is pure arithmetic)"):
     recipe_desc, recipe, recipe_plan, recipe_cost = t4_options[0]
     try:
         with measure.gpu_budget(T4_BUDGET_GIB):

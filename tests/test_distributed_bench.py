@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from helpers import estimates, launching, models
+from helpers import estimates, launching, models, timing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "multigpu_bench.py")
@@ -172,7 +172,7 @@ def test_summarize_gpu_like_records():
     summary = bench.summarize(parts)
     eff = {r["world_size"]: r for r in summary["scaling"]}
     assert eff[4]["scaling_efficiency"] == pytest.approx(0.8) and eff[4]["verdict"] == "slower"
-    assert eff[2]["verdict"] == "no difference beyond the noise"
+    assert eff[2]["verdict"] == timing.NO_DIFFERENCE
     assert [r["size_bytes"] for r in summary["bandwidth_at_largest"]] == [2**32]
     assert len(summary["bytes_per_step"]) == 3
 

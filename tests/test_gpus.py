@@ -126,10 +126,10 @@ def test_gpus_imports_no_other_helpers_module():
 
 def test_gpu_facts_have_one_home():
     """The GPU facts live in ``gpus`` only: the modules that held them before no longer offer them."""
-    from helpers import flops, plan, profiles
+    from helpers import flops, plan, run_profile
 
     for name in ("PEAK_TFLOPS", "PEAK_BANDWIDTH_GB_S", "gpu_key", "peak_tflops", "peak_bandwidth_gb_s"):
         assert not hasattr(flops, name), name
-    assert not hasattr(profiles, "capability") and not hasattr(profiles, "amp_dtype")
+    assert not hasattr(run_profile, "capability") and not hasattr(run_profile, "amp_dtype")
     for name in ("GPU_MEMORY_GIB", "CONTEXT_RESERVE_GIB", "NO_BF16_GPUS"):
         assert not hasattr(plan, name), name

@@ -1,47 +1,47 @@
 import pytest
 import torch
 
-from helpers import env, profiles
+from helpers import env, run_profile
 
 
 def test_auto_profile_follows_hardware(monkeypatch):
-    monkeypatch.delenv(profiles.ENV_VAR, raising=False)
-    prof = profiles.get()
+    monkeypatch.delenv(run_profile.ENV_VAR, raising=False)
+    prof = run_profile.get()
     assert prof.name == ("full" if torch.cuda.is_available() else "tiny")
     assert prof.device == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.mark.parametrize("value", ["tiny", "FULL", " full "])
 def test_env_var_overrides(monkeypatch, value):
-    monkeypatch.setenv(profiles.ENV_VAR, value)
-    assert profiles.get().name == value.strip().lower()
+    monkeypatch.setenv(run_profile.ENV_VAR, value)
+    assert run_profile.get().name == value.strip().lower()
 
 
 def test_unknown_profile_is_a_clear_error(monkeypatch):
-    monkeypatch.setenv(profiles.ENV_VAR, "huge")
+    monkeypatch.setenv(run_profile.ENV_VAR, "huge")
     with pytest.raises(ValueError, match="unknown profile 'huge'.*tiny, full"):
-        profiles.get()
+        run_profile.get()
     with pytest.raises(ValueError, match="unknown profile"):
-        profiles.get("medium")
+        run_profile.get("medium")
 
 
 def test_pick():
-    assert profiles.Profile("tiny", "cpu").pick(tiny=1, full=2) == 1
-    assert profiles.Profile("full", "cuda").pick(tiny=1, full=2) == 2
+    assert run_profile.Profile("tiny", "cpu").pick(tiny=1, full=2) == 1
+    assert run_profile.Profile("full", "cuda").pick(tiny=1, full=2) == 2
 
 
 def test_cuda_guard_prints_one_line_on_cpu(capsys, monkeypatch):
-    monkeypatch.setattr(profiles, "cuda_available", lambda: False)
-    assert profiles.cuda_or_skip("NVML needs an NVIDIA GPU") is False
+    monkeypatch.setattr(run_profile, "cuda_available", lambda: False)
+    assert run_profile.cuda_or_skip("NVML needs an NVIDIA GPU") is False
     assert capsys.readouterr().out == "skipped on CPU: NVML needs an NVIDIA GPU\n"
     with pytest.raises(RuntimeError, match="nvml_used_mib needs a CUDA GPU"):
-        profiles.require_cuda("nvml_used_mib")
+        run_profile.require_cuda("nvml_used_mib")
 
 
 def test_report_names_versions_and_profile():
     import transformers
 
-    df = env.report(profiles.Profile("tiny", "cpu"))
+    df = env.report(run_profile.Profile("tiny", "cpu"))
     for key in ("GPU", "torch", "transformers", "peft", "bitsandbytes", "profile"):
         assert key in df.index
     # the versions the packages themselves report, not read back through the same helper
@@ -64,7 +64,7 @@ def test_colab_is_recognised_by_its_module(monkeypatch):
     assert env.is_colab() is False
     monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))
     assert env.is_colab() is True
-    df = env.report(profiles.Profile("tiny", "cpu"))
+    df = env.report(run_profile.Profile("tiny", "cpu"))
     assert df.loc["Colab", "value"] == "yes"
 
 
@@ -107,13 +107,13 @@ def test_nvlink_status_without_nvidia_smi(monkeypatch):
 def test_start_sets_the_format_shows_the_report_and_returns_the_profile(monkeypatch, capsys):
     import pandas as pd
 
-    monkeypatch.setenv(profiles.ENV_VAR, "tiny")
+    monkeypatch.setenv(run_profile.ENV_VAR, "tiny")
     shown = []
     monkeypatch.setattr("IPython.display.display", lambda obj: shown.append(obj))
     old = pd.options.display.float_format
     try:
         prof = env.start("{:,.3f}")
-        assert prof == profiles.get() and prof.name == "tiny"
+        assert prof == run_profile.get() and prof.name == "tiny"
         assert pd.options.display.float_format(1234.5) == "1,234.500"
         assert len(shown) == 1 and shown[0].loc["profile", "value"].startswith("tiny")
     finally:

@@ -71,9 +71,9 @@ def test_say_prints_outside_ipython(capsys, monkeypatch):
 
 
 def test_two_models_build_and_batch_of_follow_the_profile():
-    from helpers import profiles
+    from helpers import run_profile
 
-    tiny, full = profiles.Profile("tiny", "cpu"), profiles.Profile("full", "cpu")
+    tiny, full = run_profile.Profile("tiny", "cpu"), run_profile.Profile("full", "cpu")
     assert steps.two_models(full)["bert-large-uncased"]["seq_len"] == 512
     assert steps.two_models(full)["polyglot-ko-1.3b"]["dtype"] == torch.float16
     setups = steps.two_models(tiny)

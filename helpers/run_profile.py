@@ -7,7 +7,7 @@ The profile is chosen automatically (CUDA present -> ``full``) unless the enviro
 ``GPUBOOK_PROFILE`` says ``tiny`` or ``full``. Notebooks ask the profile for sizes instead of
 branching on hardware themselves::
 
-    prof = profiles.get()
+    prof = run_profile.get()
     seq_len = prof.pick(tiny=64, full=512)
 """
 
@@ -19,7 +19,7 @@ from typing import TypeVar
 
 import torch
 
-# What the GPU here can do lives in ``helpers.gpus``; the chapters still ask ``profiles`` for it.
+# What the GPU here can do lives in ``helpers.gpus``.
 
 ENV_VAR = "GPUBOOK_PROFILE"
 PROFILES = ("tiny", "full")
