@@ -8,7 +8,6 @@ Foundations
 - ``gpus``        facts about GPUs by name or compute capability: memory, peak FLOP/s, bandwidth, bf16/TF32/flash
 - ``run_profile`` which sizes to run (``tiny`` on a CPU, ``full`` on a GPU) and GPU-only guards
 - ``measure``     the one reader of GPU memory (NVML, torch's allocator), peaks, phases, budgets; out of memory
-- ``env``         the environment report every chapter prints first; Colab detection; NVLink status
 
 Counting and formulas (no GPU needed)
 - ``accounting``  bytes of weights, gradients, optimizer states (sharded too) and saved activations
@@ -46,6 +45,10 @@ Showing results
 
 Exercises
 - ``exercises``   check a reader's numeric answer to an exercise: right, close, or a nudge (never the answer)
+
+A chapter's first cell
+- ``env``         quiet warnings; ``start``: the plot style, the run profile and the environment report every
+                  chapter prints first; Colab detection; NVLink status
 """
 
 __version__ = "0.1.0"

@@ -432,7 +432,7 @@ def t4_start() -> tuple[Budget, float]:
 
     >>> budget, baseline_mib = measure.t4_start()
 
-    Introduced in chapter 3's first GPU cell (chapter 1, section 1.5, explains the budget).
+    Introduced in chapter 3, section 3.1 (chapter 1, section 1.5, explains the budget).
     """
     nvml_before = nvml_used_mib()
     for dtype in (torch.float32, torch.float16):
