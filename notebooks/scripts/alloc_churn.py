@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from helpers import data, gpus, models, profiles
+from helpers import data, gpus, models, run_profile
 from helpers.measure import MIB
 
 COUNTERS = {  # table label: key of torch.cuda.memory_stats()
@@ -46,7 +46,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    profiles.require_cuda("alloc_churn.py")
+    run_profile.require_cuda("alloc_churn.py")
     if not 1 <= args.min_len <= args.max_len:
         parser.error(f"need 1 <= --min-len <= --max-len, got {args.min_len}, {args.max_len}")
 
