@@ -78,6 +78,11 @@ def test_versus_calls_a_difference_only_across_seeds(ref, cand, verdict):
     assert F["versus"](ref, cand, HORIZON) == verdict
 
 
+def test_versus_takes_the_experiments_widest_spread():
+    assert F["versus"]([25, 26, 27], [33, 34, 35], HORIZON) == "later"
+    assert F["versus"]([25, 26, 27], [33, 34, 35], HORIZON, spread=10) == "no difference across seeds"
+
+
 def test_versus_needs_three_seeds():
     with pytest.raises(ValueError, match="at least 3 seeds"):
         F["versus"]([25, 26], [27, 28], HORIZON)
