@@ -127,7 +127,6 @@ else:
 # 32, 16, 8 and 4 sequences whose fp32 step fits the GPU's free memory by the prediction of `plan.predict`, the
 # memory planner of [chapter 10](10_capstone.ipynb): 32 (16,384 tokens) on a GPU of 40 GiB or more, 8 on a 15 GB
 # T4, where 32 x 512 in fp32 would need about 29 GiB. The tiny CPU profile uses 2 x 64.
-# The same function also checks what stays in fp32 and in which dtype the weight gradients are computed.
 
 # %%
 RECIPES = {"fp32": None, "tf32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -535,7 +534,7 @@ display(Markdown(text))
 # step's work), the GPU-busy fraction (the share of the wall time in which some kernel ran), the number of GPU
 # operations per step, their total GPU kernel time, the GPU time of the copy kernels, which include every dtype cast
 # autocast makes, and the peak allocated memory at each size (GPU only). Those rows were timed one recipe after the
-# other, minutes apart. The comparisons the text draws come from `timing.interleaved` (chapter 8) instead: one
+# other, as separate blocks. The comparisons the text draws come from `timing.interleaved` (chapter 8) instead: one
 # fp32 bert-large and its AdamW, each recipe's step (`steps.make_step`, with the autocast dtype and, for fp16, a
 # `GradScaler`; TF32 switched on, untimed, before each of its samples) alternating with fp32's in rounds, and the
 # median of the per-round ratios with its 95% interval. A recipe counts as faster or slower only when the whole
