@@ -307,7 +307,7 @@ mp
 #
 # Runs with the same seed therefore differ only in the recipe. The loss sits at $\ln 2 \approx 0.69$ nats (guessing)
 # until the model finds the keyword, then falls. The learning rate (5e-4 after 10 warm-up steps, for 60 steps of 32
-# sequences; the tiny profile 2e-3 after 5, for 50 steps of 16) is set so that the model leaves that plateau well
+# sequences; the tiny profile 2e-3 after 5, for 60 steps of 16 over 1,000 token ids) is set so that the model leaves that plateau well
 # inside the run: at much smaller rates a run can sit on it for all of its steps, and then whether it leaves is
 # decided by the seed, not by the recipe. A run has *learned* when its five-step mean loss fell below 0.1 and the mean
 # of its last ten steps is below 0.1 too. A recipe counts as learning differently from fp32 only when the difference
@@ -317,12 +317,13 @@ mp
 # do not apply are switched off by `enabled=False`.
 
 # %%
-CONV_MODEL = prof.pick(tiny={}, full=dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                                          intermediate_size=1024))  # tiny: the tiny profile's own 2 x 128
-conv_batch, conv_steps, conv_warmup = prof.pick(tiny=16, full=32), prof.pick(tiny=50, full=60), prof.pick(tiny=5, full=10)
+CONV_MODEL = prof.pick(tiny=dict(vocab_size=1024), full=dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                                                             intermediate_size=1024))  # tiny: 2 layers of 128
+CONV_DATA = prof.pick(tiny=dict(high=1000, keyword=500), full={})  # tiny: 1,000 token ids, a small embedding on a CPU
+conv_batch, conv_steps, conv_warmup = prof.pick(tiny=16, full=32), 60, prof.pick(tiny=5, full=10)
 conv_lr = prof.pick(tiny=2e-3, full=5e-4)
 SEEDS = (0, 1, 2)
-ds_conv = data.keyword_dataset(conv_steps * conv_batch, kw_seq, seed=2)
+ds_conv = data.keyword_dataset(conv_steps * conv_batch, kw_seq, seed=2, **CONV_DATA)
 
 
 def adamw(params, lr):
