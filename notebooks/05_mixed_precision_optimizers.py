@@ -298,7 +298,8 @@ mp
 # weights, in the order of their batches and in their dropout masks. So a difference between two single runs says
 # nothing about the recipes until it is larger than the difference between seeds of one recipe. Here each recipe
 # trains a smaller model of bert's architecture (4 layers of hidden size 256 instead of 24 of 1024; the tiny CPU
-# profile uses its 2 layers of 128) on the keyword task, once for each of three seeds. The seed decides all three sources of randomness, and nothing else does:
+# profile uses its 2 layers of 128) on the keyword task, once for each of three seeds. The seed decides all three
+# sources of randomness, and nothing else does:
 #
 # - the initial weights: `models.build(..., seed=seed)` draws them from its own generator and gives the caller's
 #   random state back untouched;
@@ -307,9 +308,9 @@ mp
 #
 # Runs with the same seed therefore differ only in the recipe. The loss sits at $\ln 2 \approx 0.69$ nats (guessing)
 # until the model finds the keyword, then falls. The learning rate (5e-4 after 10 warm-up steps, for 60 steps of 32
-# sequences; the tiny profile 2e-3 after 5, for 60 steps of 16 over 1,000 token ids) is set so that the model leaves that plateau well
-# inside the run: at much smaller rates a run can sit on it for all of its steps, and then whether it leaves is
-# decided by the seed, not by the recipe. A run has *learned* when its five-step mean loss fell below 0.1 and the mean
+# sequences; the tiny profile 2e-3 after 5, for 60 steps of 16 over 1,000 token ids) is set so that the model leaves
+# that plateau well inside the run: at much smaller rates a run can sit on it for all of its steps, and then whether
+# it leaves is decided by the seed, not by the recipe. A run has *learned* when its five-step mean loss fell below 0.1 and the mean
 # of its last ten steps is below 0.1 too. A recipe counts as learning differently from fp32 only when the difference
 # holds across seeds: its first crossing of 0.1 comes later (or earlier) than fp32's in every seed, and the two
 # medians are further apart than the spread between seeds (the widest range of first crossings of any one recipe).
