@@ -481,9 +481,10 @@ def seeds_text(results, ref, horizon, what):
     same = [n for n in others if verdicts[n] == "no difference across seeds"]
     if same:
         gap = max(abs(med[n] - med[ref]) for n in same)
-        text += (f"Against {ref}, {prose.listing(same)}: no difference across seeds (median first crossings at most "
-                 f"{gap:.0f} steps from {ref}'s; between the seeds of one {what} they spread over up to {spread:.0f} "
-                 f"steps). ")
+        near = (f"the same median first crossing as {ref}'s" if gap == 0 else
+                f"median first crossings at most {gap:.0f} step{'' if gap == 1 else 's'} from {ref}'s")
+        text += (f"Against {ref}, {prose.listing(same)}: no difference across seeds ({near}; between the seeds of "
+                 f"one {what} the first crossings spread over up to {spread:.0f} steps). ")
     for word in ("later", "earlier"):
         names = [n for n in others if verdicts[n] == word]
         never = [n for n in names if ends[n].count("never") == n_seeds]

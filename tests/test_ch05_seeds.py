@@ -95,6 +95,9 @@ def test_seeds_text_every_branch():
     assert "fp32 3 of 3 (first below 0.1 at steps 25–31)" in text
     assert "Against fp32, bf16 and fp16: no difference across seeds" in text
     assert "spread over up to 7 steps" in text and "did not change what the model learned" in text
+    assert "median first crossings at most 1 step from fp32's" in text
+    same = {"fp32": alike["fp32"], "bf16": alike["fp32"], "fp16": alike["fp32"]}
+    assert "the same median first crossing as fp32's" in F["seeds_text"](same, "fp32", HORIZON, "precision")
 
     later = alike | {"tf32": [curve(50), curve(52), curve(55)], "bf16": [curve(None)] * 3}
     text = F["seeds_text"](later, "fp32", HORIZON, "precision")
