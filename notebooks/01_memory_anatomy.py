@@ -23,20 +23,20 @@
 #
 # **What you will learn**
 #
-# - the four memory numbers a GPU gives you (NVML *used*, torch *reserved*, *allocated* and *peak
+# - the four memory numbers a GPU gives you ([NVML](https://gpu-efficient-training.github.io/book/book/glossary.html#nvml) *used*, torch *reserved*, *allocated* and *peak
 #   allocated*) and why they differ;
-# - what the CUDA context costs before your first tensor;
-# - the components of training memory (weights, gradients, optimizer states, activations, temporary
+# - what the [CUDA context](https://gpu-efficient-training.github.io/book/book/glossary.html#cuda-context) costs before your first tensor;
+# - the components of training memory (weights, gradients, [optimizer states](https://gpu-efficient-training.github.io/book/book/glossary.html#optimizer-states), [activations](https://gpu-efficient-training.github.io/book/book/glossary.html#activations), temporary
 #   buffers) measured phase by phase, and the memory that belongs to the runtime (CUDA context, library
 #   workspaces, the allocator's cache);
 # - how far the popular rules (16 or 18 bytes per parameter, "training takes 4x the model") are from
 #   measured memory, and why;
 # - how activation memory grows with batch size and sequence length, against the formula of
-#   [Korthikanti et al. (2022)](../book/references.md);
+#   [Korthikanti et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html);
 # - where the peak of a training step really is, and what an out-of-memory error on a 15 GB card looks
 #   like and how to recover from it.
 #
-# **Prerequisites:** PyTorch basics (a model, a loss, `backward()`, an optimizer). The [setup page](../book/setup.md)
+# **Prerequisites:** PyTorch basics (a model, a loss, `backward()`, an optimizer). The [setup page](https://gpu-efficient-training.github.io/book/book/setup.html)
 # explains the run profiles: on a CPU this notebook runs tiny versions of the same models in seconds; the
 # sentences that quote numbers are written by the notebook from its own run, so they describe the machine
 # named in the first output below (on the website: the full-size GPU run).
@@ -105,7 +105,8 @@ if run_profile.cuda_or_skip("NVML reads an NVIDIA GPU's memory"):
     display(steps)
     print(f"torch allocated {alloc['allocated_mib']:,.0f} MiB, reserved {alloc['reserved_mib']:,.0f} MiB")
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (1.1 An empty GPU, the CUDA context, and the weights)
 if prof.on_gpu:
     display(Markdown(
         f"On the GPU of this run the card showed {steps.iloc[0, 0]:,.0f} MiB used before this process did "
@@ -129,7 +130,7 @@ else:
 # The Hugging Face guide (*Model training anatomy*) trains this model on 512 random sequences of 512
 # tokens, batch size 4, one epoch, no optimisation at all, and reports time, samples per second and NVML
 # memory. We do the same (the tiny profile shrinks the data), twice: with the attention transformers 5 builds
-# BERT with by default, PyTorch's `scaled_dot_product_attention` (SDPA), and with the plain `eager` attention
+# BERT with by default, PyTorch's `scaled_dot_product_attention` ([SDPA](https://gpu-efficient-training.github.io/book/book/glossary.html#sdpa)), and with the plain `eager` attention
 # that BERT had when the guide was written (transformers added SDPA to BERT in 2024). Between the two runs the
 # first model and its Trainer are freed and the allocator's cache emptied, so each NVML reading is one run's.
 
@@ -175,7 +176,8 @@ comparison = pd.DataFrame({"HF docs, V100 16 GB": hf_docs_v100}
                           | {f"this run, {k} ({prof.name} profile)": v for k, v in trainer_rows.items()})
 comparison.style.format(precision=2, thousands=",", na_rep="—")
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (1.2 The guide's baseline)
 if prof.is_full and prof.on_gpu and baseline["result"] == "ok":
     eager = trainer_rows["eager attention"]
     guide_mib, sdpa_mib = hf_docs_v100["NVML used (MiB)"], baseline["NVML used (MiB)"]
@@ -319,7 +321,7 @@ for it in (1, 2):
 # The accounting gives the named components at the end of each phase. On a GPU the allocator adds two
 # more: *transient*, how far the phase's peak rose above what stayed allocated after it (memory that lived
 # and died inside the phase), and *other*, live memory the accounting cannot name (the batch, the logits,
-# library workspaces). A bar's height is the phase's peak allocated memory; the `zero_grad` phases, which only
+# library workspaces). A bar's height is the phase's [peak allocated](https://gpu-efficient-training.github.io/book/book/glossary.html#peak-allocated-memory) memory; the `zero_grad` phases, which only
 # free, are in the table and not in the figure.
 
 # %%
@@ -345,7 +347,8 @@ else:
 fig = plots.stacked_bar(breakdown[~breakdown.index.str.endswith("zero_grad")], title=anat_title, ylabel="memory (GiB)",
                         colors={"other": "#8C8C8C"})  # grey: live memory no model state owns
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (1.3 The six components, phase by phase)
 if prof.on_gpu:
     act_gib, w_gib = breakdown.loc["2: forward", "activations"], breakdown.loc["load", "weights"]
     display(Markdown(
@@ -400,12 +403,12 @@ if run_profile.cuda_or_skip("the allocator's numbers exist only on a GPU"):
 # %% [markdown]
 # The Hugging Face guide
 # gives two more rules: **18 bytes** for mixed-precision training ("6 bytes of weights: an fp32 copy and a
-# 16-bit copy") and **6 bytes** for mixed-precision inference. In PyTorch, mixed precision means
+# 16-bit copy") and **6 bytes** for mixed-precision inference. In PyTorch, [mixed precision](https://gpu-efficient-training.github.io/book/book/glossary.html#mixed-precision) means
 # `torch.autocast`: the weights stay fp32 and each matrix multiplication casts them to 16 bits on the fly.
 # Where do the two extra bytes live then? We count, with a single short sequence so that activations are
-# negligible, what autocast saves for backward, and what an fp32 and a 16-bit model need for inference.
+# negligible, what [autocast](https://gpu-efficient-training.github.io/book/book/glossary.html#autocast) saves for backward, and what an fp32 and a 16-bit model need for inference.
 # The 16-bit type is `gpus.amp_dtype()`: bf16 on a CPU and on GPUs of compute capability 8.0 or newer,
-# fp16 on older ones such as the T4, which has no bf16 tensor cores.
+# fp16 on older ones such as the T4, which has no bf16 [tensor cores](https://gpu-efficient-training.github.io/book/book/glossary.html#tensor-cores).
 
 # %%
 autocast_device = "cuda" if prof.on_gpu else "cpu"
@@ -423,7 +426,8 @@ mp_rows = {
 }
 pd.Series(mp_rows, name="bytes per parameter")
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (1.3 The six components, phase by phase)
 near_two = 1.5 < amp_saved_bpp < 2.0
 display(Markdown(
     f"With {amp_name} autocast, the forward pass of this run saved {amp_saved_bpp:.2f} bytes per parameter for an "
@@ -463,7 +467,8 @@ if run_profile.cuda_or_skip("peak allocated memory is an allocator statistic"):
     infer[f"{amp_name} weights"] = inference_peak_bpp()
     display(pd.Series(infer, name="peak bytes per parameter, inference"))
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (1.3 The six components, phase by phase)
 if prof.on_gpu:
     amp_bpp, frozen_bpp = infer[f"fp32 weights, {amp_name} autocast"], infer[f"fp32 weights, frozen, {amp_name} autocast"]
     verdict_6 = ("close to the guide's 6 bytes" if abs(amp_bpp - 6) < 0.5 else
@@ -484,7 +489,7 @@ if prof.on_gpu:
 # ## 1.4 Activations: batch size, sequence length, and the attention matrix
 #
 # Model states do not depend on the batch; activations grow with it.
-# [Korthikanti et al. (2022)](../book/references.md) count the bytes one transformer layer saves with 16-bit activations as
+# [Korthikanti et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html) count the bytes one transformer layer saves with 16-bit activations as
 #
 # $$ s\,b\,h\,\Bigl(34 + 5\,\frac{a\,s}{h}\Bigr) $$
 #
@@ -559,7 +564,8 @@ fig.tight_layout(rect=(0, 0.08, 1, 1))
 if prof.is_full:
     row = acts[(acts.batch == 4) & (acts.seq == 512)].set_index("attention")
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (1.4 Activations)
 if prof.is_full:
     eager_rows, sdpa_rows = acts[acts.attention == "eager"], acts[acts.attention == "sdpa"]
     eager_dev = ((eager_rows["measured / sbh"] - eager_rows["formula / sbh"]).abs() / eager_rows["formula / sbh"]).max()
@@ -675,7 +681,8 @@ for bs in (4, 8, 16):
 llm = pd.DataFrame(llm_rows).set_index("batch")
 llm.style.format(precision=2, na_rep="—")
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (1.5 The LLM book's experiment)
 if prof.on_gpu:
     fits = [bs for bs in llm.index if llm.loc[bs, "result"] == "ok"]
     oom = [bs for bs in llm.index if llm.loc[bs, "result"] != "ok"]
@@ -731,7 +738,8 @@ if run_profile.cuda_or_skip("the per-phase peak is an allocator statistic"):
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (1.5 The LLM book's experiment)
 if prof.on_gpu and 8 in llm.index and llm.loc[8, "result"] == "ok":
     step_peak_8 = "optimizer" in llm.loc[8, "peak phase"]
     display(Markdown(
@@ -774,7 +782,8 @@ adam_fp16 = pd.DataFrame({
 }, index=[f"{g:.0e}" for g in grads.tolist()]).rename_axis("gradient")
 adam_fp16.map("{:.4g}".format)
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (1.5 The LLM book's experiment)
 broken = adam_fp16[~adam_fp16["new weight, fp16"].map(math.isfinite)]
 below = adam_fp16[adam_fp16["(1 - beta2) g², exact"] < fp16_tiny / 2]
 fp32_moves = adam_fp16["new weight, fp32"].abs().between(0.9e-3, 1.1e-3).all()
@@ -818,7 +827,8 @@ if prof.on_gpu:
         calc[f"measured peak, batch {bs} (GiB)"] = f"{llm.loc[bs, 'peak (GiB)']:.2f}" if ok else llm.loc[bs, "result"]
 pd.Series(calc, name="value").to_frame()
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (1.6 "Training takes 4 x the model": the calculator's rule)
 if prof.on_gpu and llm.loc[4, "result"] == "ok":
     ratio4 = llm.loc[4, "peak (GiB)"] / rule_gib
     display(Markdown(
@@ -844,7 +854,7 @@ else:
 # with respect to the weight) where the forward pass computes one, so the backward pass should take about
 # twice as long. We time bert-large at batch 4, fp32, with `timing.time_it` (chapter 8 explains it): three
 # warm-up calls, then ten timed calls with the device synchronised, reported as the median with its
-# interquartile range (IQR) and, on a GPU, the share of the time some kernel was running (GPU-busy) and the
+# interquartile range (IQR) and, on a GPU, the share of the time some kernel was running ([GPU-busy](https://gpu-efficient-training.github.io/book/book/glossary.html#gpu-busy)) and the
 # kernels' own time from a few profiled calls. The backward pass is the difference of the two. The rule is about
 # the GPU's arithmetic, so we test it on kernel time, which the host's speed at launching kernels does not enter,
 # and give the wall times beside it.
@@ -864,7 +874,8 @@ bwd_s = fwd_bwd.median_s - fwd.median_s
 bwd_fwd_ratio = bwd_s / fwd.median_s
 pd.DataFrame({"forward": fwd.summary(), "forward + backward": fwd_bwd.summary()}).T.drop(columns="verdict")
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (1.7 Is the backward pass twice the forward?)
 if prof.on_gpu:
     # The rule is about the GPU's arithmetic, so it is tested on kernel time (the profiled calls' GPU work), which
     # the host's speed at launching kernels does not enter; the wall times are given beside it.
@@ -994,7 +1005,7 @@ else:
 #
 #    <details><summary>Hint</summary>
 #
-#    Eager attention stores the $s \times s$ scores and probabilities per head and layer, about $5 a s^2 b$ bytes per layer in 16 bits ([Korthikanti et al. (2022)](../book/references.md)); SDPA's fused kernels (flash or memory-efficient) store none of them, its math fallback does.
+#    Eager attention stores the $s \times s$ scores and probabilities per head and layer, about $5 a s^2 b$ bytes per layer in 16 bits ([Korthikanti et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html)); SDPA's fused kernels (flash or memory-efficient) store none of them, its math fallback does.
 #
 #    </details>
 #
@@ -1006,12 +1017,12 @@ else:
 #
 # ## References
 #
-# - [Hugging Face (2024)](../book/references.md), *Model training anatomy* and *Methods and tools for efficient training on a single
+# - [Hugging Face (2024)](https://gpu-efficient-training.github.io/book/book/references.html), *Model training anatomy* and *Methods and tools for efficient training on a single
 #   GPU*: the Trainer baseline, the six components, the 16/18/6 bytes-per-parameter rules.
-# - [Heo (2024)](../book/references.md), chapter 5 (in Korean): the polyglot-ko-1.3b experiment of section 1.5.
-# - [Korthikanti et al. (2022)](../book/references.md): activation memory per layer.
-# - [Hugging Face Accelerate team (2023)](../book/references.md), *Model Memory Calculator*: the "4 x model size" training estimate.
-# - [Micikevicius et al. (2018)](../book/references.md): mixed precision, fp32 master weights and loss scaling.
-# - [Ivanov et al. (2021)](../book/references.md): where time goes in transformer training, operator by operator.
+# - [Heo (2024)](https://gpu-efficient-training.github.io/book/book/references.html), chapter 5 (in Korean): the polyglot-ko-1.3b experiment of section 1.5.
+# - [Korthikanti et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html): activation memory per layer.
+# - [Hugging Face Accelerate team (2023)](https://gpu-efficient-training.github.io/book/book/references.html), *Model Memory Calculator*: the "4 x model size" training estimate.
+# - [Micikevicius et al. (2018)](https://gpu-efficient-training.github.io/book/book/references.html): mixed precision, fp32 master weights and [loss scaling](https://gpu-efficient-training.github.io/book/book/glossary.html#loss-scaling).
+# - [Ivanov et al. (2021)](https://gpu-efficient-training.github.io/book/book/references.html): where time goes in transformer training, operator by operator.
 #
-# All of them, with links, are on the [references page](../book/references.md).
+# All of them, with links, are on the [references page](https://gpu-efficient-training.github.io/book/book/references.html).

@@ -19,21 +19,21 @@
 # A model's memory is its number of parameters times the bytes of each one. Chapter 1 counted the
 # parameters; this chapter is about the bytes. We look at what 32, 16 and 8 bits can and cannot hold, watch
 # the 16-bit formats fail in front of us, and then write by hand the four int8 quantization schemes that
-# chapter 5 of the Korean LLM book ([Heo (2024)](../book/references.md)) describes (absmax, zero-point, block-wise, quantile), measuring the error of each. Finally we use the
-# production versions in bitsandbytes and transformers, LLM.int8() and 4-bit NF4, on a layer and on the
+# chapter 5 of the Korean LLM book ([Heo (2024)](https://gpu-efficient-training.github.io/book/book/references.html)) describes (absmax, zero-point, block-wise, quantile), measuring the error of each. Finally we use the
+# production versions in bitsandbytes and transformers, LLM.int8() and 4-bit [NF4](https://gpu-efficient-training.github.io/book/book/glossary.html#nf4), on a layer and on the
 # whole 1.3B model, and hold their memory against the expected bytes per parameter.
 #
 # **What you will learn**
 #
 # - the bit layout, range and precision of fp32, tf32, fp16, bf16, fp8 and int8, and how to read them off
 #   `torch.finfo`;
-# - why fp16 training needs loss scaling and why long sums are accumulated in fp32;
+# - why fp16 training needs [loss scaling](https://gpu-efficient-training.github.io/book/book/glossary.html#loss-scaling) and why long sums are accumulated in fp32;
 # - how absmax, zero-point, block-wise and quantile quantization work, what each costs, and how outliers
 #   break the simple ones;
 # - what LLM.int8() and NF4 (with and without double quantization) store, how close they stay to bf16, and
 #   what they cost in speed.
 #
-# **Prerequisites:** [chapter 1](01_memory_anatomy.ipynb) (bytes per parameter, the allocator's numbers).
+# **Prerequisites:** [chapter 1](https://gpu-efficient-training.github.io/book/notebooks/01_memory_anatomy.html) (bytes per parameter, the allocator's numbers).
 
 # %%
 import sys
@@ -71,7 +71,7 @@ baseline_mib = torch.cuda.memory_allocated() / MIB if prof.on_gpu else 0.0  # ch
 # sets the *range* and a mantissa (fraction) that sets the *precision*. Fewer exponent bits means a smaller
 # range; fewer mantissa bits means coarser steps. `torch.finfo` knows every format PyTorch has; the mantissa
 # width follows from the machine epsilon ($\epsilon = 2^{-m}$, the gap between 1 and the next number).
-# TF32 has no dtype of its own: it is a mode of NVIDIA's tensor cores (Ampere and later) that multiplies
+# TF32 has no dtype of its own: it is a mode of NVIDIA's [tensor cores](https://gpu-efficient-training.github.io/book/book/glossary.html#tensor-cores) (Ampere and later) that multiplies
 # fp32 inputs with a 10-bit mantissa, and we add its row by hand. This table is the same on every machine,
 # so CI checks it against the committed one.
 
@@ -102,7 +102,7 @@ print(table.map(lambda v: ("—" if math.isnan(v) else f"{v:.4g}") if isinstance
 # %% [markdown]
 # fp16 and bf16 spend their 16 bits differently: fp16 keeps 10 mantissa bits and only 5 exponent bits (largest
 # value 65,504), bf16 keeps fp32's 8 exponent bits (the same range as fp32) and only 7 mantissa bits
-# ([Kalamkar et al. (2019)](../book/references.md)). The two fp8 formats make the same trade at 8 bits. int8 has no exponent at
+# ([Kalamkar et al. (2019)](https://gpu-efficient-training.github.io/book/book/references.html)). The two fp8 formats make the same trade at 8 bits. int8 has no exponent at
 # all: 256 evenly spaced values, which is why quantizing to it needs a *scale*. The layouts, drawn to scale:
 
 # %%
@@ -167,7 +167,8 @@ if prof.on_gpu:
 e4m3 = fp8_cast["CPU"][out_of_range.index(65504.0)]
 pd.DataFrame(fp8_cast, index=[f"{v:g}" for v in out_of_range]).rename_axis("fp32 value cast to e4m3")
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (2.1 Formats)
 def cast_behaviour(values):
     v = values[out_of_range.index(65504.0)]
     if math.isnan(v):
@@ -205,13 +206,13 @@ pd.Series(failures, name="result").map("{:.8g}".format)
 # %% [markdown]
 # fp16 overflows past 65,504 where bf16 merely rounds (90,000 becomes 90,112). Underflow is the subtler
 # danger in training: gradients that small do occur, and fp16 flushes them to zero, silently. That is why fp16
-# mixed precision multiplies the loss by a large factor before `backward()` (*loss scaling*,
-# [Micikevicius et al. (2018)](../book/references.md)): every gradient of the backward pass is scaled by the
+# [mixed precision](https://gpu-efficient-training.github.io/book/book/glossary.html#mixed-precision) multiplies the loss by a large factor before `backward()` (*loss scaling*,
+# [Micikevicius et al. (2018)](https://gpu-efficient-training.github.io/book/book/references.html)): every gradient of the backward pass is scaled by the
 # same factor and lands inside fp16's range, and the optimizer divides the weight gradients back in fp32. bf16
 # needs no scaling, but its steps are coarse: $1 + 2^{-8}$ is exactly 1.
 #
 # What loss scaling protects are the gradients that the backward pass computes *in fp16*: under fp16
-# autocast, the gradient of every matrix product's output (an *activation gradient*) is an fp16 tensor, and
+# [autocast](https://gpu-efficient-training.github.io/book/book/glossary.html#autocast), the gradient of every matrix product's output (an *activation gradient*) is an fp16 tensor, and
 # it is what the next layer down multiplies with. We run one backward pass of bert-large (the tiny twin on a
 # CPU) three times on the same batch, in eval mode so that no dropout differs: in fp32, under fp16 autocast,
 # and under fp16 autocast with the loss multiplied by $2^{16}$. A hook on the output of every linear layer
@@ -264,7 +265,8 @@ cleanup.free(globals(), "model")
 act_grads[["dtype", "entries", "zero (%)", "non-finite (%)"]].style.format(
     {"entries": "{:,}", "zero (%)": "{:.4f}", "non-finite (%)": "{:.4f}"}, na_rep="—")
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (2.2 Range and precision, failing in front of you)
 z32, z16, z16s = (act_grads.loc[k, "zero (%)"] for k in act_grads.index)
 nonfinite_scaled = act_grads.loc["fp16 autocast, loss x 2**16", "non-finite (%)"]
 text = (f"In this run {z32:.4f} % of the activation-gradient entries of the fp32 backward pass were zero (the "
@@ -310,7 +312,8 @@ fig.axes[0].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
 fig.tight_layout()
 pd.Series(final, name="sum of 10,000 x 0.01 (exact: 100)")
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (2.2 Range and precision, failing in front of you)
 exact_sum = pd.Series(0.01 * sums.index.to_numpy(), index=sums.index)
 ahead = sums["fp16 accumulator"] - exact_sum
 display(Markdown(
@@ -374,7 +377,8 @@ matmul_err = pd.DataFrame(matmul_err).T
 cleanup.free(globals(), "A64", "B64", "C64", "A", "B", "C", "inputs_only", "rounded")
 matmul_err
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (2.2 Range and precision, failing in front of you)
 if prof.on_gpu:
     err = matmul_err["relative error of the product"]
     low = [k for k in ("tf32", "fp16", "bf16") if k in err.index]
@@ -436,7 +440,8 @@ del meta_model
 sizes = pd.DataFrame(size_rows).T
 sizes
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (2.3 Model size by data type)
 seven = sizes.loc[["llama-2-7b", *MORE_7B]]
 over = seven[seven["bf16 (GB = 1e9 B)"] > 14]
 under = seven[seven["bf16 (GB = 1e9 B)"] <= 14]
@@ -545,7 +550,7 @@ print(demo.map(lambda v: f"{v:.4f}" if isinstance(v, float) else v).to_string())
 
 # %% [markdown]
 # Now the errors, on three kinds of data of about a million values each: (a) standard normal, (b) the same with
-# 0.1 % outliers of magnitude 50 (LLM activations and some weights have such features), (c) a weight matrix of
+# 0.1 % outliers of magnitude 50 (LLM [activations](https://gpu-efficient-training.github.io/book/book/glossary.html#activations) and some weights have such features), (c) a weight matrix of
 # our 1.3B GPT-NeoX (its MLP input projection; the weights are freshly initialised, normal with standard
 # deviation 0.02, so (c) behaves like (a): trained weights have heavier tails). For each scheme: mean squared
 # error, worst error, how many of the 256 codes are used, and the storage per value including the metadata.
@@ -647,7 +652,8 @@ fig.suptitle(f"Codes used of 256: absmax {codes_used[('(a) normal', 'absmax')]} 
              f"{codes_used[('(b) normal + outliers', 'quantile')]}", y=1.02, fontsize=10)
 fig.tight_layout()
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (2.4 Quantization by hand)
 mse_normal = mse.xs("(a) normal", level="data")
 rank = int((mse_normal < mse_normal["quantile"]).sum())  # how many schemes beat quantile on normal data
 worst = "the *worst* of the four" if rank == 3 else f"worse than {rank} of the other three"
@@ -712,16 +718,16 @@ fig.tight_layout(rect=(0, 0.08, 1, 1))
 blocks
 
 # %% [markdown]
-# bitsandbytes uses blocks of 64 for 4-bit weights and 256 for 8-bit optimizer states: a few percent
+# bitsandbytes uses blocks of 64 for 4-bit weights and 256 for 8-bit [optimizer states](https://gpu-efficient-training.github.io/book/book/glossary.html#optimizer-states): a few percent
 # of metadata for most of the accuracy. The last point of the plot is one block for the whole tensor, plain
 # absmax.
 #
 # ## 2.5 The production versions: bitsandbytes
 #
-# **LLM.int8()** ([Dettmers et al. (2022)](../book/references.md), *LLM.int8()*) stores weights in int8 with one absmax
+# **LLM.int8()** ([Dettmers et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html), *LLM.int8()*) stores weights in int8 with one absmax
 # scale per output row and, at run time, splits the input: the few feature columns with values above a
 # threshold (6.0 by default) are multiplied in 16 bits, the rest in int8 with per-token scales. **NF4**
-# ([Dettmers et al. (2023)](../book/references.md)) stores 4-bit codes whose 16 levels are quantiles of a
+# ([Dettmers et al. (2023)](https://gpu-efficient-training.github.io/book/book/references.html)) stores 4-bit codes whose 16 levels are quantiles of a
 # normal distribution (so they suit normally distributed weights), with an fp32 absmax per block of 64;
 # **double quantization** quantizes those absmax values themselves to 8 bits, in blocks of 256. **FP4** is a
 # 4-bit floating-point format: its 16 codes are a sign, exponent and mantissa grid like every float's, spaced by
@@ -823,7 +829,7 @@ layer_table
 # %% [markdown]
 # Storage matches the papers' accounting: int8 is one byte plus an fp32 scale per row; NF4 is half a byte plus
 # an fp32 absmax per 64 weights, $32/64 = 0.5$ extra bits per weight, which double quantization brings down to
-# $8/64 + 32/(64 \cdot 256) \approx 0.127$ bits, the QLoRA paper's number. On top come a few fixed tables per
+# $8/64 + 32/(64 \cdot 256) \approx 0.127$ bits, the [QLoRA](https://gpu-efficient-training.github.io/book/book/glossary.html#qlora) paper's number. On top come a few fixed tables per
 # tensor (NF4's 16 levels, the 256-entry map of the double quantization, the serialized state): bytes, not
 # bits per weight. We assert the per-weight parts, measured from what each layer's `state_dict` holds:
 
@@ -834,7 +840,8 @@ assert abs(bits["NF4 + double quant"] - (4 + 8 / 64 + 32 / (64 * 256))) < 1e-3, 
 assert abs(bits["LLM.int8(), threshold 6"] - (8 + 32 / d_in)) < 1e-3, bits["LLM.int8(), threshold 6"]
 print("storage matches the formulas")
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (2.5 The production versions)
 err = layer_table["relative output error"]
 display(Markdown(
     f"The relative output error against the {REF} layer is {err['LLM.int8(), threshold 6']:.4f} for LLM.int8(), "
@@ -858,7 +865,8 @@ with torch.no_grad():
                    for t in (0.0, 6.0)}
 pd.Series(outlier_err, name="relative output error with outlier features")
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (2.5 The production versions)
 t0, t6 = outlier_err["threshold 0.0"], outlier_err["threshold 6.0"]
 if t0 > 1.5 * t6:
     display(Markdown(
@@ -887,7 +895,8 @@ if run_profile.cuda_or_skip("kernel timings are only meaningful on the GPU"):
     speed = pd.DataFrame({name: c.row() for name, c in vs_ref.items()}).T
     display(speed)
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title The quantized layers' time against the 16-bit layer's, from interleaved comparisons
 def layer_speed_sentence(cmps, ref, tokens, d_in):
     """The quantized layers' time against the 16-bit layer's, from interleaved comparisons."""
     def said(name):
@@ -979,7 +988,8 @@ linear_share = linear_params / models.n_params(meta)
 del meta, head
 whole[[c for c in ["allocated (GiB)", "expected (GiB)", "get_memory_footprint (GiB)", "bytes per parameter"] if c in whole]]
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (2.5 The production versions)
 if prof.is_full and prof.on_gpu:
     nf4, int8 = whole.loc["4-bit NF4 + double quant"], whole.loc["int8 (LLM.int8())"]
     as_expected = all(abs(whole.loc[k, "allocated (GiB)"] - whole.loc[k, "expected (GiB)"]) < 0.05 * whole.loc[k, "expected (GiB)"]
@@ -1010,7 +1020,7 @@ else:
 # %% [markdown]
 # ## 2.6 A preview: 8-bit optimizer states
 #
-# The same block-wise idea shrinks AdamW's two states ([Dettmers et al. (2022)](../book/references.md), *8-bit Optimizers via Block-wise Quantization*):
+# The same block-wise idea shrinks AdamW's two states ([Dettmers et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html), *8-bit Optimizers via Block-wise Quantization*):
 # bitsandbytes' `AdamW8bit` keeps them as uint8 codes with a dynamic quantization map and a scale per block of
 # 256 values (tensors under 4096 elements keep fp32 states). We count the state bytes after one step on
 # bert-large.
@@ -1027,7 +1037,8 @@ for name, make in [("torch.optim.AdamW", torch.optim.AdamW), ("bnb.optim.AdamW8b
 state_bytes = pd.Series(state_bytes, name="optimizer-state bytes per parameter")
 state_bytes
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (2.6 A preview)
 display(Markdown(
     f"{state_bytes['torch.optim.AdamW']:.2f} bytes per parameter for AdamW's fp32 states, "
     f"{state_bytes['bnb.optim.AdamW8bit']:.2f} for the 8-bit version: the rule's 8 and 2, plus, for the 8-bit one, "
@@ -1138,14 +1149,14 @@ display(Markdown(
 #
 # ## References
 #
-# - [Kalamkar et al. (2019)](../book/references.md): the bf16 format.
-# - [Micikevicius et al. (2018)](../book/references.md): mixed precision and loss scaling.
-# - [Dettmers et al. (2022)](../book/references.md), *LLM.int8()*: vector-wise quantization and outlier decomposition.
-# - [Dettmers et al. (2023)](../book/references.md), *QLoRA*: NF4 and double quantization.
-# - [Dettmers et al. (2022)](../book/references.md), *8-bit Optimizers via Block-wise Quantization*: 8-bit optimizers.
-# - [Heo (2024)](../book/references.md), chapter 5 (in Korean): the data types and the four quantization schemes of sections 2.1-2.4.
+# - [Kalamkar et al. (2019)](https://gpu-efficient-training.github.io/book/book/references.html): the bf16 format.
+# - [Micikevicius et al. (2018)](https://gpu-efficient-training.github.io/book/book/references.html): mixed precision and loss scaling.
+# - [Dettmers et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html), *LLM.int8()*: vector-wise quantization and outlier decomposition.
+# - [Dettmers et al. (2023)](https://gpu-efficient-training.github.io/book/book/references.html), *QLoRA*: NF4 and double quantization.
+# - [Dettmers et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html), *8-bit Optimizers via Block-wise Quantization*: 8-bit optimizers.
+# - [Heo (2024)](https://gpu-efficient-training.github.io/book/book/references.html), chapter 5 (in Korean): the data types and the four quantization schemes of sections 2.1-2.4.
 #
-# All of them, with links, are on the [references page](../book/references.md).
+# All of them, with links, are on the [references page](https://gpu-efficient-training.github.io/book/book/references.html).
 
 # %% [markdown]
 # The chapter ends where it began: we free what is left on the GPU, release cuBLAS's workspaces (PyTorch keeps

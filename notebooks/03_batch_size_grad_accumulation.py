@@ -20,14 +20,14 @@
 # of memory at batch 16. The batch size is the first knob anyone turns, in both directions: up for
 # throughput, down to fit. This chapter measures what the batch size buys and costs, finds the largest
 # batch that fits without crashing the notebook, and then shows how to train with a batch that does *not*
-# fit: gradient accumulation, which adds up the gradients of several small batches before one optimizer
+# fit: [gradient accumulation](https://gpu-efficient-training.github.io/book/book/glossary.html#gradient-accumulation), which adds up the gradients of several small batches before one optimizer
 # step. We prove that it computes the same update as the large batch, measure what it costs, and end
 # with the case where the usual way of writing it is wrong.
 #
 # **What you will learn**
 #
-# - how training memory splits into a fixed part (weights, optimizer states) and a part per sample
-#   (activations), measured and fitted on two models, and how far throughput grows with the batch;
+# - how training memory splits into a fixed part (weights, [optimizer states](https://gpu-efficient-training.github.io/book/book/glossary.html#optimizer-states)) and a part per sample
+#   ([activations](https://gpu-efficient-training.github.io/book/book/glossary.html#activations)), measured and fitted on two models, and how far throughput grows with the batch;
 # - how to search for the largest batch that fits: try, catch `torch.OutOfMemoryError`, free, back off,
 #   and check that nothing leaked;
 # - how to write gradient accumulation, and how to check that it is right: gradients and a whole training
@@ -37,7 +37,7 @@
 # - why averaging per-micro-batch losses is wrong for sequences of different lengths, and the fix.
 #
 # **Prerequisites:** chapter 1 (the four memory numbers, activations, the emulated T4). The
-# [setup page](../book/setup.md) explains the run profiles. Sentences that quote numbers are written by the
+# [setup page](https://gpu-efficient-training.github.io/book/book/setup.html) explains the run profiles. Sentences that quote numbers are written by the
 # notebook from its own run, so on your machine they describe your run (the first output names the GPU).
 
 # %%
@@ -84,7 +84,7 @@ prof = env.start()  # plot style, number format, run profile; the table below na
 
 # %% [markdown]
 # Some experiments emulate Colab's T4 on a larger card, as in chapter 1: `measure.t4_budget` caps PyTorch's
-# allocator at the T4's 14.75 GiB minus what this process's CUDA context takes, which the allocator never
+# allocator at the T4's 14.75 GiB minus what this process's [CUDA context](https://gpu-efficient-training.github.io/book/book/glossary.html#cuda-context) takes, which the allocator never
 # sees. We measure the context now, before anything else is on the card, after one matrix product in each
 # dtype so that cuBLAS is loaded. The allocated memory at this point is the chapter's baseline: the last cell
 # checks that the chapter gives everything back. Speed is measured with chapter 8's `timing.time_it` (warm-up,
@@ -283,7 +283,8 @@ fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=3, fontsiz
 fig.suptitle("Memory is a fixed part plus a part per sample: a straight line in the batch size")
 fig.tight_layout(rect=(0, 0.1, 1, 1))
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (3.1 What a larger batch costs and buys)
 if prof.on_gpu:
     lines = []
     for name, bytes_rule in (("bert-large-uncased", "fp32 weights and AdamW states, 12 bytes per parameter"),
@@ -306,7 +307,7 @@ else:
           "by construction")
 
 # %% [markdown]
-# Now what the memory buys. The figure labels each point with the GPU-busy fraction that `time_it` measured.
+# Now what the memory buys. The figure labels each point with the [GPU-busy](https://gpu-efficient-training.github.io/book/book/glossary.html#gpu-busy) fraction that `time_it` measured.
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
@@ -343,7 +344,8 @@ fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=3, fontsiz
 fig.suptitle("Throughput against the batch size" + (" (labels: GPU busy)" if prof.on_gpu else ""))
 fig.tight_layout(rect=(0, 0.08, 1, 1))
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Batch 1 against batch k, interleaved
 def flat_sentence(c):
     """Batch 1 against batch k, interleaved: how much of the larger batch's samples came for free."""
     k = int(c.b_name.split()[-1])
@@ -403,7 +405,7 @@ else:
 # batch the sweep ran.
 
 # %% [markdown]
-# A step is *host-bound* when the CPU needs longer to issue its kernels than the GPU needs to run them:
+# A step is *[host-bound](https://gpu-efficient-training.github.io/book/book/glossary.html#host-bound)* when the CPU needs longer to issue its kernels than the GPU needs to run them:
 # Python, the dispatcher and a few thousand kernel launches per step set the time, and a larger batch makes
 # each kernel longer without adding launches. That is why the step time can stay flat while the batch grows,
 # and why throughput then grows almost in proportion. Once the GPU is busy nearly all the time, more samples
@@ -449,7 +451,8 @@ else:
     print("skipped on CPU: the picture is of a GPU waiting for the CPU")
 
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title One sentence per drawn step
 def host_picture_text(pictures):
     """One sentence per drawn step: its length, the GPU's busy share, and the CPU's time per GPU operation."""
     parts = []
@@ -540,7 +543,8 @@ if prof.on_gpu:
     print(f"every attempt left {after.min():,.1f} to {after.max():,.1f} MiB allocated (baseline {baseline_mib:,.1f})")
 freed = cleanup.free(globals(), "model", "optimizer")
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (3.2 Finding the largest batch that fits)
 if prof.on_gpu:
     t4_16 = next((a for a in t4_search.attempts if a.batch_size == 16), None)
     sixteen = ("batch 16 fails, as in the LLM book and in chapter 1" if t4_16 is not None and not t4_16.fits else
@@ -570,7 +574,7 @@ else:
 #
 # The loss of a batch is the mean of its samples' losses, so its gradient is the mean of their gradients.
 # Split a batch of $B \times N$ samples into $N$ micro-batches of $B$: the mean over all of them is the sum,
-# over the micro-batches, of each micro-batch's mean divided by $N$. `backward()` *adds* into `.grad`, so
+# over the micro-batches, of each [micro-batch](https://gpu-efficient-training.github.io/book/book/glossary.html#micro-batch)'s mean divided by $N$. `backward()` *adds* into `.grad`, so
 # calling it on `loss / N` for each micro-batch builds exactly that sum, and the optimizer steps once every
 # $N$ micro-batches. Only one micro-batch's activations exist at any time. The whole technique is this loop:
 
@@ -654,7 +658,8 @@ assert grad_check.iloc[0] < 1e-4, "accumulated gradients differ from the large b
 assert grad_check.iloc[1] > 1.0, "the control should be off by a factor of N"
 grad_check.to_frame().map("{:.2e}".format)
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (3.3 Gradient accumulation, written out)
 display(Markdown(
     f"The accumulated gradients agree with the large batch's to {grad_check.iloc[0]:.1e} of the largest gradient, "
     f"{grad_check.iloc[0] / grad_check.iloc[2]:.0f} times fp32's machine epsilon: the last digits fp32 keeps, "
@@ -692,7 +697,8 @@ fig.axes[0].axhline(data.markov_loss_floor(4), color="grey", linestyle=":", labe
 fig.axes[0].legend(loc="upper right")
 fig.tight_layout()
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (3.3 Gradient accumulation, written out)
 learned = loss_acc[-1] < 1.2 * data.markov_loss_floor(4)
 display(Markdown(
     f"The curves lie on top of each other for all {n_steps} steps: the largest difference between the two runs' "
@@ -819,7 +825,8 @@ fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=4, fontsiz
 fig.suptitle("bert-large, fp32, 512 tokens: gradient accumulation against larger batches")
 fig.tight_layout(rect=(0, 0.08, 1, 1))
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Batch 4 x 4 (candidate) against a real batch 16 (baseline), interleaved
 def accumulated_vs_large(c):
     """Batch 4 x 4 (candidate) against a real batch 16 (baseline), interleaved: the same 16 samples per update."""
     busy = f"The GPU is busy {prose.pct(c.b.gpu_busy)} of the time at batch 4 x 4, {prose.pct(c.a.gpu_busy)} at batch 16."
@@ -912,7 +919,8 @@ book = pd.DataFrame.from_dict(book_rows, orient="index")
 book["LLM book, T4"] = {"bs 16": "out of memory", "bs 4 x ga 4": "10.586 GiB after 1st step"}
 book
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (3.4 What accumulation costs)
 if prof.on_gpu:
     r16, r44 = book_rows["bs 16"], book_rows["bs 4 x ga 4"]
     if "result" in r44:
@@ -981,7 +989,8 @@ cleanup.free(globals(), "trainer", "model", "optimizer")
 epoch = pd.DataFrame(epoch_rows).T
 epoch
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title The Trainer (candidate) against the hand-written loop (baseline), interleaved, with the…
 def trainer_sentence(c, own_samples_s, n_samples, peaks=""):
     """The Trainer (candidate) against the hand-written loop (baseline), interleaved, with the Trainer's own clock."""
     own = pd.Series(own_samples_s)
@@ -1101,7 +1110,8 @@ print(f"tokens per micro-batch: {[n_tokens(p) for p in parts]}, total {total_tok
 pitfall.assign(**{"loss (nats/token)": pitfall["loss (nats/token)"].map("{:.4f}".format),
                   "gradient: max relative difference": pitfall["gradient: max relative difference"].map("{:.1e}".format)})
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (3.5 The pitfall)
 counts = [n_tokens(p) for p in parts]
 display(Markdown(
     f"The micro-batches hold {', '.join(map(str, counts))} tokens. Over all tokens the loss is "
@@ -1211,7 +1221,7 @@ closing[[c for c in order if c in closing.columns]]
 #
 #    </details>
 #
-# 2. In section 3.2, search with `SETUPS["polyglot-ko-1.3b"]["attn_implementation"] = "sdpa"`. When SDPA runs a
+# 2. In section 3.2, search with `SETUPS["polyglot-ko-1.3b"]["attn_implementation"] = "sdpa"`. When [SDPA](https://gpu-efficient-training.github.io/book/book/glossary.html#sdpa) runs a
 #    fused kernel (flash or memory-efficient) it stores no $s \times s$ matrix: how much larger is the largest
 #    batch under the T4 budget?
 #
@@ -1259,13 +1269,13 @@ closing[[c for c in order if c in closing.columns]]
 #
 # ## References
 #
-# - [Hugging Face (2024)](../book/references.md), *Methods and tools for efficient training on a single GPU*: batch size and
+# - [Hugging Face (2024)](https://gpu-efficient-training.github.io/book/book/references.html), *Methods and tools for efficient training on a single GPU*: batch size and
 #   gradient accumulation on one GPU, the V100 rows of section 3.4.
-# - [Heo (2024)](../book/references.md), chapter 5: the polyglot-ko-1.3b experiment, batch 16 against batch 4 x 4 on a T4.
-# - [Hugging Face (2024)](../book/references.md), *Fixing Gradient Accumulation*: the loss normalisation fix of transformers 4.46.
-# - [Korthikanti et al. (2022)](../book/references.md): activation memory per sample (chapter 1, section 1.4).
+# - [Heo (2024)](https://gpu-efficient-training.github.io/book/book/references.html), chapter 5: the polyglot-ko-1.3b experiment, batch 16 against batch 4 x 4 on a T4.
+# - [Hugging Face (2024)](https://gpu-efficient-training.github.io/book/book/references.html), *Fixing Gradient Accumulation*: the loss normalisation fix of transformers 4.46.
+# - [Korthikanti et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html): activation memory per sample (chapter 1, section 1.4).
 #
-# All the works the book cites are on the [references page](../book/references.md).
+# All the works the book cites are on the [references page](https://gpu-efficient-training.github.io/book/book/references.html).
 
 # %% [markdown]
 # ## Memory back at the baseline

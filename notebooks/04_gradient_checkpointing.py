@@ -16,8 +16,8 @@
 # %% [markdown]
 # # 4. Gradient checkpointing: trading compute for memory
 #
-# Chapter 3 showed that activations are the part of training memory that grows with the batch, and that
-# gradient accumulation keeps them small by keeping the batch small. Gradient checkpointing attacks them
+# Chapter 3 showed that [activations](https://gpu-efficient-training.github.io/book/book/glossary.html#activations) are the part of training memory that grows with the batch, and that
+# [gradient accumulation](https://gpu-efficient-training.github.io/book/book/glossary.html#gradient-accumulation) keeps them small by keeping the batch small. Gradient checkpointing attacks them
 # directly: the forward pass keeps only a few of the tensors the backward pass will need and recomputes the
 # others when they are needed. This chapter builds the idea from scratch on a chain of layers, counts what
 # each strategy stores and recomputes, checks PyTorch's implementation against plain autograd, and then
@@ -28,15 +28,15 @@
 #
 # - three ways to get gradients through a chain of $N$ layers (store everything, store nothing and recompute
 #   from the start, store a checkpoint every $k$ layers), with their stored bytes and recomputations counted,
-#   and why $k = \sqrt{N}$ is the sweet spot of [Chen et al. (2016)](../book/references.md);
+#   and why $k = \sqrt{N}$ is the sweet spot of [Chen et al. (2016)](https://gpu-efficient-training.github.io/book/book/references.html);
 # - what `torch.utils.checkpoint` does, and a check that it gives the same gradients as plain autograd;
 # - the measured memory and time of checkpointing in transformers models, against the "one extra forward
 #   pass" that theory predicts;
 # - two refinements beyond the sources: checkpointing only part of a block (after
-#   [Korthikanti et al. (2022)](../book/references.md)), and moving saved activations to the CPU instead of recomputing them.
+#   [Korthikanti et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html)), and moving saved activations to the CPU instead of recomputing them.
 #
 # **Prerequisites:** chapter 1 (activations, `SavedTensorMeter`, the emulated T4) and chapter 3 (the batch
-# sweep, `helpers.batching`). The [setup page](../book/setup.md) explains the run profiles. Sentences that quote
+# sweep, `helpers.batching`). The [setup page](https://gpu-efficient-training.github.io/book/book/setup.html) explains the run profiles. Sentences that quote
 # numbers are written by the notebook from its own run, so on your machine they describe your run.
 
 # %%
@@ -71,12 +71,12 @@ from helpers.measure import GIB, MIB
 prof = env.start()  # plot style, number format, run profile; the table below names hardware and versions
 
 # %% [markdown]
-# As in chapter 3, we measure this process's CUDA context first, so that section 4.3 can emulate a T4 (14.75
+# As in chapter 3, we measure this process's [CUDA context](https://gpu-efficient-training.github.io/book/book/glossary.html#cuda-context) first, so that section 4.3 can emulate a T4 (14.75
 # GiB minus the context) on a larger card, and note the allocated memory after this warm-up: the chapter's
 # baseline, which the last cell checks. We also ask what this GPU can do: fused attention kernels and bf16
-# tensor cores need compute capability 8.0 or newer (`gpus.capability()`), and section 4.4 picks its
+# [tensor cores](https://gpu-efficient-training.github.io/book/book/glossary.html#tensor-cores) need compute capability 8.0 or newer (`gpus.capability()`), and section 4.4 picks its
 # 16-bit type with `gpus.amp_dtype()` (bf16 there, fp16 on older GPUs such as the T4). Times come from
-# chapter 8's `timing.time_it` (ten repeats after warm-up, with spread, GPU time and the GPU-busy fraction), and
+# chapter 8's `timing.time_it` (ten repeats after warm-up, with spread, GPU time and the [GPU-busy](https://gpu-efficient-training.github.io/book/book/glossary.html#gpu-busy) fraction), and
 # comparisons from `timing.interleaved`: the two sides in alternating rounds, the median of the per-round ratios
 # with its 95% interval, and "faster" or "slower" only when the whole interval lies beyond ±3%.
 
@@ -298,7 +298,8 @@ ax_cost.set_ylabel("layer forward computations per step")
 fig.suptitle(f"A chain of N = {n_layers} layers: a checkpoint every √N layers stores 2√N outputs for one extra forward pass")
 fig.tight_layout()
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (4.1 Three strategies, as code)
 display(Markdown(
     f"With $N$ = {n_layers} layers, storing everything keeps "
     f"{int(three.loc['stored (layer outputs)', '(a) store everything'])} layer outputs; a checkpoint every "
@@ -308,7 +309,7 @@ display(Markdown(
     f"{int(three.loc['layer forwards', '(b) recompute from the start']):,} layer forwards instead of {n_layers}."))
 
 # %% [markdown]
-# This is the result of [Chen et al. (2016)](../book/references.md): $O(\sqrt{N})$ memory for one extra forward pass (recursing on the segments brings memory down to
+# This is the result of [Chen et al. (2016)](https://gpu-efficient-training.github.io/book/book/references.html): $O(\sqrt{N})$ memory for one extra forward pass (recursing on the segments brings memory down to
 # $O(\log N)$ at more recomputation). In practice the segments are not chosen by $\sqrt{N}$: frameworks
 # checkpoint at the boundary of every transformer layer, so a model of $L$ layers keeps $L$ layer inputs
 # plus the full activations of the one layer being recomputed. That is close to the optimum: in the units of the
@@ -419,7 +420,7 @@ assert block_check.iloc[2, 2] > 1e-2, "without the RNG state, dropout should dra
 block_check.assign(**{"gradients: max rel. difference": block_check.iloc[:, 2].map("{:.1e}".format)})
 
 # %% [markdown]
-# Whether the attention stored its $s \times s$ matrix depends on the kernel SDPA picked. The flash and
+# Whether the attention stored its $s \times s$ matrix depends on the kernel [SDPA](https://gpu-efficient-training.github.io/book/book/glossary.html#sdpa) picked. The flash and
 # memory-efficient kernels never store it (they rebuild it block by block in the backward pass); the math
 # fallback, which SDPA uses when neither supports the inputs (for example bf16 below compute capability 8.0), stores
 # it like eager attention. `fused_sdpa_runs` asks SDPA to run with the fused kernels only, which fails if none fits.
@@ -442,7 +443,8 @@ block_fused = fused_sdpa_runs(block_x.dtype)
 scores_mib = block_batch * heads * block_seq**2 * block_x.element_size() / MIB  # one s x s matrix per head
 print(f"fused SDPA kernel for {block_x.dtype}: {block_fused}; one s x s matrix for the block would take {scores_mib:.0f} MiB")
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (4.2 torch.utils.checkpoint on one transformer block)
 input_mib = block_x.numel() * block_x.element_size() / MIB
 text = (f"Without checkpointing the block keeps {block_check.iloc[0, 0]:.0f} MiB for backward"
         + (f" (a fused SDPA kernel ran, so none of it is the {scores_mib:.0f} MiB $s \\times s$ matrix)" if block_fused
@@ -476,7 +478,7 @@ freed = cleanup.free(globals(), "block", "block_x", "plain_grads", "ckpt_grads",
 # function below uses whichever the installed version has, with the non-reentrant checkpoint, and the cell prints
 # which.) We measure the two models of
 # chapter 3 in the sources' setups: bert-large in fp32 at 512 tokens, and the 1.3B GPT-NeoX with fp16 weights,
-# eager attention and 256 tokens. For each batch size, with and without checkpointing: the peak allocated
+# eager attention and 256 tokens. For each batch size, with and without checkpointing: the [peak allocated](https://gpu-efficient-training.github.io/book/book/glossary.html#peak-allocated-memory)
 # memory of a training step and its time, with `time_it` (ten steps after a warm-up step, their spread, the GPU
 # kernel time and the GPU-busy fraction from two profiled steps). What checkpointing costs is then measured with
 # `timing.interleaved` (chapter 8): the plain and the checkpointed step in alternating rounds on the same model and
@@ -660,7 +662,8 @@ fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=3, fontsiz
 fig.suptitle("Checkpointing every layer flattens the memory's growth with the batch")
 fig.tight_layout(rect=(0, 0.1, 1, 1))
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (4.3 In practice)
 if prof.on_gpu:
     lines = []
     for name in SETUPS:
@@ -723,7 +726,8 @@ fig.suptitle("Checkpointing's cost against one more forward pass of the layers" 
     ": they agree" if agree_all == int(summary["time overhead (%)"].notna().sum()) else ""))
 fig.tight_layout(rect=(0, 0.12, 1, 1))
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title The rendered lines for one model
 def price_lines(name, part, step_s):
     """The rendered lines for one model: each batch's overhead against the prediction, and what explains a gap.
 
@@ -863,7 +867,8 @@ book["LLM book, T4"] = ["out of memory", "10.29 GiB after 1st step"]
 book
 
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (4.3 In practice)
 if prof.on_gpu:
     r0, r1 = book_rows["bs 16"], book_rows["bs 16 + checkpointing"]
     text = (f"Without checkpointing, batch 16 fails again ({r0['result']}). " if "result" in r0 else
@@ -920,7 +925,8 @@ hf["HF docs V100: samples/s"] = [7.75, 5.99]
 hf["HF docs V100: NVML used (MiB)"] = [8681, 6775]
 hf
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title bs 1 x ga 4 with checkpointing (candidate) against without (baseline), interleaved
 def guide_pair_sentence(c, mem_ratio, gpu_name):
     """bs 1 x ga 4 with checkpointing (candidate) against without (baseline), interleaved."""
     ratio, lo, hi = 1 / c.speedup, 1 / c.hi, 1 / c.lo  # checkpointed time over plain
@@ -961,10 +967,10 @@ else:
 #
 # Checkpointing whole layers recomputes everything. Two refinements trade differently.
 #
-# **Selective checkpointing.** [Korthikanti et al. (2022)](../book/references.md) observe that the parts of a transformer layer
+# **Selective checkpointing.** [Korthikanti et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html) observe that the parts of a transformer layer
 # that store the most are not the parts that compute the most: the attention matrix, its softmax and dropout (the
 # $5as^2b$ bytes of chapter 1's formula) cost few FLOPs and many bytes. They recompute only those. A fused
-# attention kernel already does exactly that: FlashAttention ([Dao et al., 2022](../book/references.md)) and PyTorch's SDPA with its
+# attention kernel already does exactly that: FlashAttention ([Dao et al., 2022](https://gpu-efficient-training.github.io/book/book/references.html)) and PyTorch's SDPA with its
 # flash or memory-efficient kernel never store the matrix and rebuild it in the backward pass. SDPA's math
 # fallback, which it uses when no fused kernel supports the inputs (bf16 below compute capability 8.0, for
 # one), stores it like eager attention; the stack below uses `gpus.amp_dtype()` (fp16 on such GPUs) and checks
@@ -1095,7 +1101,8 @@ ax.set_title(f"{n_blocks} blocks, hidden {hidden}, {block_seq} tokens: every mod
 fig.tight_layout(rect=(0, 0.12, 1, 1))
 
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title The attention half against the MLP half
 def halves_sentence(kept, halves, attn_share, mlp_share, time_batch):
     """The attention half against the MLP half: bytes kept (batch 8) and time (interleaved, the timing batch)."""
     text = (f"Recomputing the attention half keeps {kept['recompute attention']:,.0f} MiB for {attn_share:.0%} of the "
@@ -1227,7 +1234,8 @@ if prof.on_gpu:
     freed = cleanup.free(globals(), "model", "optimizer", "batch", "enable")
 pd.DataFrame(offload_rows).T if offload_rows else None
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Checkpointing + offload (candidate) against checkpointing alone (baseline), interleaved
 def offload_step_phrase(c):
     """Checkpointing + offload (candidate) against checkpointing alone (baseline), interleaved."""
     text = (f"The step took {prose.ms(c.b.wall.median)} with offloading and {prose.ms(c.a.wall.median)} without; in "
@@ -1300,7 +1308,8 @@ closing
 # - `torch.utils.checkpoint` (non-reentrant) keeps a block's input and gives the same gradients as plain autograd,
 #   dropout included, because it restores the random generator's state for the recomputation.
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (Summary)
 if prof.on_gpu:
     parts = []
     for name, short in (("bert-large-uncased", "bert-large"), ("polyglot-ko-1.3b", "the 1.3B model")):
@@ -1391,7 +1400,7 @@ else:
 #
 #    <details><summary>Answer</summary>
 #
-#    About halfway in both: roughly half of the memory saving of full-block recomputation, at roughly half of its time overhead. Where the GPU is the limit that is half of one extra forward pass (about a sixth of a forward and backward pass instead of a third); section 4.4 times its stack at a batch where the GPU is busy nearly all the time, so expect about half of the overhead it measured there for whole blocks. At a small, host-bound batch the overhead of either would be larger than the FLOPs say (section 4.3's 1.3B rows), and so would its half.
+#    About halfway in both: roughly half of the memory saving of full-block recomputation, at roughly half of its time overhead. Where the GPU is the limit that is half of one extra forward pass (about a sixth of a forward and backward pass instead of a third); section 4.4 times its stack at a batch where the GPU is busy nearly all the time, so expect about half of the overhead it measured there for whole blocks. At a small, [host-bound](https://gpu-efficient-training.github.io/book/book/glossary.html#host-bound) batch the overhead of either would be larger than the FLOPs say (section 4.3's 1.3B rows), and so would its half.
 #
 #    </details>
 #
@@ -1412,14 +1421,14 @@ else:
 #
 # ## References
 #
-# - [Chen et al. (2016)](../book/references.md): checkpointing every $\sqrt{N}$ layers, sublinear memory for one extra forward pass.
-# - [Korthikanti et al. (2022)](../book/references.md): activation memory per layer and selective recomputation.
-# - [Dao et al. (2022)](../book/references.md): attention that recomputes its score matrix in the backward pass.
-# - [Hugging Face (2024)](../book/references.md), *Methods and tools for efficient training on a single GPU*: gradient checkpointing
+# - [Chen et al. (2016)](https://gpu-efficient-training.github.io/book/book/references.html): checkpointing every $\sqrt{N}$ layers, sublinear memory for one extra forward pass.
+# - [Korthikanti et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html): activation memory per layer and selective recomputation.
+# - [Dao et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html): attention that recomputes its score matrix in the backward pass.
+# - [Hugging Face (2024)](https://gpu-efficient-training.github.io/book/book/references.html), *Methods and tools for efficient training on a single GPU*: [gradient checkpointing](https://gpu-efficient-training.github.io/book/book/glossary.html#gradient-checkpointing)
 #   with the Trainer, the V100 rows of section 4.3.
-# - [Heo (2024)](../book/references.md), chapter 5: the polyglot-ko-1.3b experiment, batch 16 with checkpointing on a T4.
+# - [Heo (2024)](https://gpu-efficient-training.github.io/book/book/references.html), chapter 5: the polyglot-ko-1.3b experiment, batch 16 with checkpointing on a T4.
 #
-# All the works the book cites are on the [references page](../book/references.md).
+# All the works the book cites are on the [references page](https://gpu-efficient-training.github.io/book/book/references.html).
 
 # %% [markdown]
 # ## Memory back at the baseline

@@ -17,26 +17,26 @@
 # # 5. Mixed precision, optimizers and tensor-core shapes
 #
 # Chapter 1 counted 16 bytes of model states per parameter for fp32 training with AdamW: 4 for the weights, 4 for
-# the gradients, 8 for the optimizer. The activations came on top. This chapter changes the arithmetic of a
+# the gradients, 8 for the optimizer. The [activations](https://gpu-efficient-training.github.io/book/book/glossary.html#activations) came on top. This chapter changes the arithmetic of a
 # training step in three ways: the precision the matrix products run in, the optimizer and the bytes it keeps, and
-# the shapes of the matrices, which decide whether the GPU's tensor cores run at full speed. Each change is
+# the shapes of the matrices, which decide whether the GPU's [tensor cores](https://gpu-efficient-training.github.io/book/book/glossary.html#tensor-cores) run at full speed. Each change is
 # measured on the same model, against the rule that is supposed to predict it.
 #
 # **What you will learn**
 #
 # - how `torch.autocast` and `GradScaler` change a training step in fp32, TF32, fp16 and bf16: time, peak memory,
 #   and whether it changes what the model learns, over several seeds;
-# - how many gradients an fp16 backward pass loses without loss scaling;
-# - what stays in fp32 under mixed precision, and what the 16- and 18-byte rules count;
+# - how many gradients an fp16 backward pass loses without [loss scaling](https://gpu-efficient-training.github.io/book/book/glossary.html#loss-scaling);
+# - what stays in fp32 under [mixed precision](https://gpu-efficient-training.github.io/book/book/glossary.html#mixed-precision), and what the 16- and 18-byte rules count;
 # - when mixed precision *raises* the peak memory instead of lowering it;
 # - the state bytes per parameter of AdamW (foreach and fused), SGD with momentum, Adafactor, and the 8-bit and
 #   paged 8-bit AdamW of bitsandbytes, with their step times and whether they learn alike;
 # - how a matrix product is cut into tiles, why misaligned matrix sizes run slower, and how far the measured
 #   matmul ceiling is from the datasheet.
 #
-# **Prerequisites:** [chapter 1](01_memory_anatomy.ipynb) (the memory components and the four memory numbers) and
-# [chapter 2](02_dtypes_quantization.ipynb) (number formats, block-wise quantization); [chapter
-# 8](08_profiling.ipynb) explains the timing method (GPU-busy fraction, host enqueue time) used here.
+# **Prerequisites:** [chapter 1](https://gpu-efficient-training.github.io/book/notebooks/01_memory_anatomy.html) (the memory components and the four memory numbers) and
+# [chapter 2](https://gpu-efficient-training.github.io/book/notebooks/02_dtypes_quantization.html) (number formats, block-wise quantization); [chapter
+# 8](https://gpu-efficient-training.github.io/book/notebooks/08_profiling.html) explains the timing method ([GPU-busy](https://gpu-efficient-training.github.io/book/book/glossary.html#gpu-busy) fraction, [host enqueue](https://gpu-efficient-training.github.io/book/book/glossary.html#host-enqueue) time) used here.
 # Every sentence that quotes a number is computed from this notebook's own run, on the machine named in the first
 # output below. On a CPU the notebook runs tiny versions of the models, and the sentences about speed say they were
 # skipped; on a GPU older than the A100 (compute capability below 8.0, such as Colab's T4) the TF32 and bf16 parts
@@ -70,7 +70,7 @@ dev = prof.device
 # %% [markdown]
 # The first cell that touches the GPU notes what PyTorch has allocated before any experiment, so that the last
 # cell can check that the chapter gave everything back, and asks the GPU what its tensor cores support: bf16 and
-# TF32 need compute capability 8.0 (the A100 and later), and where they are missing autocast uses fp16.
+# TF32 need compute capability 8.0 (the A100 and later), and where they are missing [autocast](https://gpu-efficient-training.github.io/book/book/glossary.html#autocast) uses fp16.
 
 # %%
 import math
@@ -92,9 +92,9 @@ else:
 # %% [markdown]
 # ## 5.1 One training step, four precisions
 #
-# [Chapter 2](02_dtypes_quantization.ipynb) took the formats apart: fp32 has 8 exponent and 23 mantissa bits; fp16
+# [Chapter 2](https://gpu-efficient-training.github.io/book/notebooks/02_dtypes_quantization.html) took the formats apart: fp32 has 8 exponent and 23 mantissa bits; fp16
 # keeps 10 mantissa bits but only 5 exponent bits, so it overflows past 65,504 and has nothing between 0 and its
-# smallest subnormal, $2^{-24} \approx 6 \times 10^{-8}$; bf16 ([Kalamkar et al. (2019)](../book/references.md))
+# smallest subnormal, $2^{-24} \approx 6 \times 10^{-8}$; bf16 ([Kalamkar et al. (2019)](https://gpu-efficient-training.github.io/book/book/references.html))
 # keeps fp32's 8 exponent bits and 7 mantissa bits, fp32's range with less precision. TF32 is not a storage format:
 # it is how NVIDIA's tensor cores (since the A100) multiply fp32 matrices, reading 10 of the 23 mantissa bits and
 # accumulating in fp32. Here we train with them.
@@ -104,7 +104,7 @@ else:
 # bits and run on the tensor cores; operations that need range or accumulate many values (softmax, layer norm, the
 # loss, sums) run in fp32. The backward pass follows the same dtypes: the gradient of each weight is computed by a
 # 16-bit matrix product and then cast to fp32, the dtype of the weight it belongs to, and the optimizer updates
-# the fp32 weights, the *master weights* of [Micikevicius et al. (2018)](../book/references.md). With fp16, a
+# the fp32 weights, the *master weights* of [Micikevicius et al. (2018)](https://gpu-efficient-training.github.io/book/book/references.html). With fp16, a
 # `GradScaler` does their *loss scaling*: it multiplies the loss by a scale $S$ before `backward()`, so that small
 # gradients stay inside fp16's range on their way back, divides the gradients by $S$ before the step, skips the step
 # when a gradient overflowed to inf (and then halves $S$), and doubles $S$ after a run of steps without overflow.
@@ -122,7 +122,7 @@ else:
 # three warm-up steps, wall and host-enqueue time, and the GPU-busy fraction from a profiled run) at two sizes: the
 # training batch (64 x 16 = 1,024 tokens) and a realistic one of 512-token sequences. Its batch is the largest of
 # 32, 16, 8 and 4 sequences whose fp32 step fits the GPU's free memory by the prediction of `plan.predict`, the
-# memory planner of [chapter 10](10_capstone.ipynb): 32 (16,384 tokens) on a GPU of 40 GiB or more, 8 on a 15 GB
+# memory planner of [chapter 10](https://gpu-efficient-training.github.io/book/notebooks/10_capstone.html): 32 (16,384 tokens) on a GPU of 40 GiB or more, 8 on a 15 GB
 # T4, where 32 x 512 in fp32 would need about 29 GiB. The tiny CPU profile uses 2 x 64.
 
 # %%
@@ -276,7 +276,7 @@ print(f"{len(runs)} recipes x {kw_steps} steps, batch {kw_batch} x {kw_seq} toke
 # watches the backward pass's matrix products (a `TorchDispatchMode` sees each operation and its dtype): under fp16
 # and bf16 autocast, the gradient of every linear layer's weight is computed by a 16-bit matrix product and only
 # cast to fp32 on its way into `.grad`. The table gives the median step time of ten timed steps at the training
-# size, the peak allocated memory over the three training steps (GPU only) and the bytes saved for backward by one
+# size, the [peak allocated](https://gpu-efficient-training.github.io/book/book/glossary.html#peak-allocated-memory) memory over the three training steps (GPU only) and the bytes saved for backward by one
 # forward pass of a training batch.
 
 # %%
@@ -432,7 +432,8 @@ fig = plot_seeds(conv, f"small bert, keyword task, {len(SEEDS)} seeds per recipe
                  + ("every precision learned in every seed" if all_learned else "loss by precision and seed")
                  + " (grey: ln 2 and 0.1)", ncols=len(conv))
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title First crossings of 0.1 over seeds
 def versus(ref_steps, steps, horizon, spread=0.0):
     """First crossings of 0.1 over seeds (NaN: never) against a reference's, conservatively.
 
@@ -584,7 +585,8 @@ cleanup.free(globals(), "model", "optimizer", "small", "big")
 pd.DataFrame({(size, r): c.row() for size, cmps in (("small", cmp_small), ("realistic", cmp_big or {}))
               for r, c in cmps.items()}).T
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title The small training step, fp32 against 16-bit autocast (interleaved)
 def small_step_text(c, half, tokens, cast_ms, n_cast):
     """The small training step, fp32 against 16-bit autocast (interleaved): the host lesson."""
     ts, t32 = c.b, c.a
@@ -642,7 +644,8 @@ if prof.on_gpu:
 else:
     print("skipped on CPU: GPU-busy, host enqueue time and tensor-core speed-ups need a GPU")
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (5.1 One training step, four precisions)
 if prof.on_gpu:
     display(Markdown(
         f"Memory: the peak allocated memory of the three training steps was {mp.loc['fp32', 'peak allocated (GiB)']:.2f} "
@@ -657,7 +660,7 @@ else:
 
 # %% [markdown]
 # **What the 16- and 18-byte rules count.** The Hugging Face guide
-# ([Hugging Face, model training anatomy](../book/references.md)) counts mixed precision as 18 bytes per parameter:
+# ([Hugging Face, model training anatomy](https://gpu-efficient-training.github.io/book/book/references.html)) counts mixed precision as 18 bytes per parameter:
 # 6 for the weights (an fp32 copy and a 16-bit copy), 4 for the gradients and 8 for AdamW. The same function
 # measured each part, per parameter, after training:
 
@@ -676,14 +679,15 @@ print(bpp.round(2).to_string())
 # %% [markdown]
 # Sixteen persistent bytes in every recipe. The 16-bit weight copies of the rule are real, but transient:
 # autocast casts each weight when a layer first uses it, keeps the copy for the rest of the forward pass (the
-# backward pass needs it) and frees it during backward. [Chapter 1](01_memory_anatomy.ipynb) measured them at just
+# backward pass needs it) and frees it during backward. [Chapter 1](https://gpu-efficient-training.github.io/book/notebooks/01_memory_anatomy.html) measured them at just
 # under 2 bytes per parameter (embeddings and layer norms are not cast). Here, for each recipe:
 
 # %%
 copies = pd.Series({r: v["copies_bpp"] for r, v in runs.items()}, name="saved for backward, 8-token input (bytes/param)")
 copies
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (5.1 One training step, four precisions)
 display(Markdown(
     f"With 8 tokens the activations are negligible: fp32 saves {copies['fp32']:.2f} bytes per parameter and keeps "
     f"no weight copies" + (" (nor does TF32, which rounds inside the tensor core, not in memory)" if "tf32" in copies else "")
@@ -736,7 +740,8 @@ by_dtype.columns = [f"{c} (GiB)" for c in by_dtype.columns]
 act_ratio = by_dtype.iloc[-1, 1] / by_dtype.iloc[-1, 0]
 by_dtype
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (5.1 One training step, four precisions)
 half_dt = str(RECIPES[HALF]).removeprefix("torch.")
 fp32_left = by_dtype.loc["float32"].iloc[1] if "float32" in by_dtype.index else 0.0
 bool_gib = by_dtype.loc["bool"].iloc[1] if "bool" in by_dtype.index else 0.0
@@ -823,7 +828,8 @@ ax.set_ylabel("number of weights (log scale)")
 ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
 fig.tight_layout()
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (5.2 Loss scaling)
 lost, lost_scaled = scaling.iloc[0, 0], scaling.iloc[1, 0]
 err, err_scaled = scaling.iloc[0, 1], scaling.iloc[1, 1]
 near = abs(lost - lost_pct) <= 0.25 * max(lost_pct, 1e-3)
@@ -863,9 +869,9 @@ freed = cleanup.free(globals(), "model", "g_ref", "g_fp16", "g_scaled", "nonzero
 # can happen: autocast adds about 2 bytes per parameter of weight copies and shrinks the activations (to the ratio
 # measured there, not to half). Which wins depends on what else is alive when the copies are. If the gradients of
 # the previous step are freed (`zero_grad(set_to_none=True)`, PyTorch's default), the copies are gone before the
-# gradients are complete, so at small batches the peak (weights, gradients and optimizer states at the end of
+# gradients are complete, so at small batches the peak (weights, gradients and [optimizer states](https://gpu-efficient-training.github.io/book/book/glossary.html#optimizer-states) at the end of
 # backward) is the same with or without autocast. If the gradients stay allocated through the forward pass (with
-# `set_to_none=False`, and during every micro-batch after the first under gradient accumulation, chapter 3), the
+# `set_to_none=False`, and during every [micro-batch](https://gpu-efficient-training.github.io/book/book/glossary.html#micro-batch) after the first under [gradient accumulation](https://gpu-efficient-training.github.io/book/book/glossary.html#gradient-accumulation), chapter 3), the
 # copies come on top of all 16 bytes.
 #
 # We measure the peak of one training iteration (after a first one that created AdamW's states) for fp32 and
@@ -920,7 +926,8 @@ costs = diff_mib["kept"].iloc[0] > 0 and diff_mib["freed"].iloc[0] <= diff_mib["
 fig.suptitle(f"bert-large, fused AdamW: autocast {'costs memory at small batches when gradients are kept' if costs else 'against fp32, gradients freed and kept'}")
 fig.tight_layout()
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (5.3 When mixed precision raises the peak)
 b_lo, b_hi = sweep_batches[0], sweep_batches[-1]
 unit = "peak allocated memory" if prof.on_gpu else "accounted memory at the end of the forward pass (CPU: no allocator)"
 kept_lo, kept_hi = diff_mib["kept"].loc[b_lo], diff_mib["kept"].loc[b_hi]
@@ -957,11 +964,11 @@ display(Markdown(text))
 # ## 5.4 Optimizers: state bytes, step time and convergence
 #
 # The optimizer states are the largest part of the 16 bytes. The rules of the Hugging Face guide
-# ([Hugging Face, efficient training on one GPU](../book/references.md)): AdamW keeps 8 bytes per parameter (two
+# ([Hugging Face, efficient training on one GPU](https://gpu-efficient-training.github.io/book/book/references.html)): AdamW keeps 8 bytes per parameter (two
 # fp32 states), SGD with momentum 4 (one), and an 8-bit optimizer 2. Adafactor
-# ([Shazeer and Stern (2018)](../book/references.md)) keeps, for each weight matrix, only the row and column sums of
+# ([Shazeer and Stern (2018)](https://gpu-efficient-training.github.io/book/book/references.html)) keeps, for each weight matrix, only the row and column sums of
 # the squared gradients (and no first moment in the Trainer's setting), so its states are almost nothing. The 8-bit
-# AdamW of bitsandbytes ([Dettmers et al. (2022)](../book/references.md)) stores both states in 8 bits with one
+# AdamW of bitsandbytes ([Dettmers et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html)) stores both states in 8 bits with one
 # fp32 scale per block of 256 values (block-wise quantization, as in chapter 2); tensors smaller than 4,096 values
 # (biases, layer norms) keep fp32 states. The paged variant allocates the states of tensors with at least 100,000
 # values in CUDA unified memory, which the driver can move to the CPU's RAM when the GPU runs out, instead of
@@ -1061,7 +1068,8 @@ for name in opt_timed:
 cleanup.free(globals(), "model", "opt_batch", "reference")
 pd.DataFrame({name: c.row() for name, c in opt_cmp.items()}).T
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title optimizer.step() of each optimizer against fused AdamW's, interleaved
 def optimizer_speed_text(cmps, margin=0.10):
     """optimizer.step() of each optimizer against fused AdamW's, interleaved.
 
@@ -1143,7 +1151,8 @@ fig = plot_seeds(opt_conv, f"small bert, keyword task, {AMP_NAME} autocast, {len
                  + ("every optimizer learned in every seed" if all_learned else "loss by optimizer and seed"),
                  ncols=3)
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Runs repeated with identical settings and seeds
 def repeat_runs_text(first, again, label):
     """Runs repeated with identical settings and seeds: how far apart their losses are."""
     gaps = [max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) for a, b in zip(first, again)]
@@ -1233,7 +1242,7 @@ print(reads_table.to_string())
 # fixed-size tile products in one instruction. When a matrix dimension is not a multiple of the tile
 # size, the last tiles are partly empty, and when it is not a multiple of 8 (16 bytes of bf16), the rows are not
 # aligned for the wide loads the fastest kernels use. NVIDIA's guide
-# ([NVIDIA, matrix multiplication performance guide](../book/references.md)) therefore asks for dimensions that are
+# ([NVIDIA, matrix multiplication performance guide](https://gpu-efficient-training.github.io/book/book/references.html)) therefore asks for dimensions that are
 # multiples of 16 bytes at least (8 bf16 or fp16 values, 4 TF32 values), and larger multiples (64 bf16 values
 # on the A100, more for 8-bit types) to be safe.
 #
@@ -1320,7 +1329,8 @@ shapes = f.loc[pick]
 shapes.index = [f"{n} (n % 64 = {n % 64}, n % 8 = {n % 8})" for n in pick]
 shapes
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (5.5 Tiles and tensor cores)
 if prof.on_gpu:
     lines = []
     for m in MODES:
@@ -1418,7 +1428,8 @@ pad_cmp = {(a, b): timing.interleaved(head_pass[a], head_pass[b], device=dev, na
 cleanup.free(globals(), "head_pass")
 lm_head
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title bert's vocabulary against its padded sizes (interleaved)
 def padding_text(lh, cmps, tokens, hidden, dtype_name, margin=0.10):
     """bert's vocabulary against its padded sizes (interleaved); 64 against 8 is called only beyond ``margin``."""
     c64, c8, c8_64 = cmps[(30522, 30528)], cmps[(30522, 30536)], cmps[(30536, 30528)]
@@ -1465,8 +1476,8 @@ freed = cleanup.free(globals(), "small_bert")
 # The Hugging Face guide's table of single-GPU techniques lists two more that are quick to try.
 #
 # **`torch_empty_cache_steps`** makes the Trainer call `torch.cuda.empty_cache()` every $N$ steps, after the
-# forward pass. PyTorch's caching allocator keeps freed blocks for reuse (the gap between *reserved* and
-# *allocated*, chapter 1); emptying the cache returns them to the driver, which lowers what NVML sees and can undo
+# forward pass. PyTorch's [caching allocator](https://gpu-efficient-training.github.io/book/book/glossary.html#caching-allocator) keeps freed blocks for reuse (the gap between *reserved* and
+# *allocated*, chapter 1); emptying the cache returns them to the driver, which lowers what [NVML](https://gpu-efficient-training.github.io/book/book/glossary.html#nvml) sees and can undo
 # fragmentation, at the price of fresh `cudaMalloc` calls afterwards. The Trainer's documentation promises a lower
 # peak "at a cost of about 10% slower performance". We train bert-large with the guide's Trainer setup (fp32, batch
 # 4, 512 tokens) with and without it, timing each step with a callback (the device synchronised at both ends, 30
@@ -1538,7 +1549,8 @@ ec_cmp = timing.interleaved(ec_step(False), ec_step(True), device=dev, names=("a
 cleanup.free(globals(), "model", "optimizer", "ec_batch")
 empty_cache
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title The cost of empty_cache() after every forward pass (interleaved), against the…
 def empty_cache_cost(c, documented=0.10):
     """The cost of empty_cache() after every forward pass (interleaved), against the documentation's 10%."""
     cost, lo, hi = 1 / c.speedup - 1, 1 / c.hi - 1, 1 / c.lo - 1
@@ -1590,7 +1602,8 @@ if run_profile.cuda_or_skip("host-to-GPU copies need a GPU"):
     cleanup.free(globals(), "host", "pinned")
     display(pd.Series(copy_gib_s, name="host-to-GPU copy (GiB/s)"))
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (5.6 Two more knobs)
 if prof.on_gpu:
     display(Markdown(
         f"Pinned memory copied at {copy_gib_s['pinned']:.1f} GiB/s, pageable at {copy_gib_s['pageable']:.1f} GiB/s. "
@@ -1620,7 +1633,7 @@ optim_table[[c for c in optim_table.columns if c in ("state (bytes/param)", "opt
 # - Autocast runs matrix products in 16 bits, weight gradients included, and keeps weights, gradients and
 #   optimizer states in fp32: 16 persistent bytes per parameter in every recipe. The 18-byte rule adds the 16-bit
 #   weight copies, which live only from the forward pass to the backward pass.
-# - A small step can be host-bound: its time is then the CPU's time to issue kernels, and autocast's extra
+# - A small step can be [host-bound](https://gpu-efficient-training.github.io/book/book/glossary.html#host-bound): its time is then the CPU's time to issue kernels, and autocast's extra
 #   operators can make it slower than fp32, whose slower matrix products may still keep the GPU busy. Mixed
 #   precision and TF32 pay off where the matrix products keep the GPU busy; section 5.1 measured both sizes.
 # - fp16 needs loss scaling: without it, the gradients below $2^{-25}$ round to zero. bf16 has fp32's range and
@@ -1637,7 +1650,8 @@ optim_table[[c for c in optim_table.columns if c in ("state (bytes/param)", "opt
 #   multiples of 64 can still be faster, by a few percent or by much more depending on the dtype and the shape
 #   (section 5.5 has this GPU's numbers); padding a vocabulary is one call.
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (Summary)
 if prof.on_gpu:
     parts = [f"{HALF} autocast ran at {cmp_small[HALF].speedup:.2f}× fp32's speed at {kw_batch * kw_seq:,} tokens "
              f"per step (*{cmp_small[HALF].b.verdict}*: the host's number)"]
@@ -1742,15 +1756,15 @@ else:
 #
 # ## References
 #
-# - [Micikevicius et al. (2018)](../book/references.md): mixed-precision training, fp32 master weights and loss scaling.
-# - [Kalamkar et al. (2019)](../book/references.md): bf16 for training.
-# - [Dettmers et al. (2022), 8-bit optimizers](../book/references.md): 8-bit optimizers with block-wise quantization.
-# - [Shazeer and Stern (2018)](../book/references.md): Adafactor's factored second moments.
-# - [NVIDIA](../book/references.md), *Matrix Multiplication Background User's Guide*: tiles, tensor cores and dimension rules for GEMMs.
-# - [Hugging Face](../book/references.md), *Model training anatomy* and *Efficient training on a single GPU*: the 16/18-byte rules, the
+# - [Micikevicius et al. (2018)](https://gpu-efficient-training.github.io/book/book/references.html): mixed-precision training, fp32 master weights and loss scaling.
+# - [Kalamkar et al. (2019)](https://gpu-efficient-training.github.io/book/book/references.html): bf16 for training.
+# - [Dettmers et al. (2022), 8-bit optimizers](https://gpu-efficient-training.github.io/book/book/references.html): 8-bit optimizers with block-wise quantization.
+# - [Shazeer and Stern (2018)](https://gpu-efficient-training.github.io/book/book/references.html): Adafactor's factored second moments.
+# - [NVIDIA](https://gpu-efficient-training.github.io/book/book/references.html), *Matrix Multiplication Background User's Guide*: tiles, tensor cores and dimension rules for GEMMs.
+# - [Hugging Face](https://gpu-efficient-training.github.io/book/book/references.html), *Model training anatomy* and *Efficient training on a single GPU*: the 16/18-byte rules, the
 #   optimizer rules and the table of single-GPU techniques this chapter follows.
 #
-# All the works the book cites are on the [references page](../book/references.md).
+# All the works the book cites are on the [references page](https://gpu-efficient-training.github.io/book/book/references.html).
 
 # %% [markdown]
 # Every experiment freed what it made. cuBLAS keeps a workspace for each handle and stream on which it ran a matrix

@@ -17,9 +17,9 @@
 # # 6. LoRA and QLoRA
 #
 # Full fine-tuning of the 1.3-billion-parameter GPT-NeoX of chapter 1 with fp32 AdamW keeps 16 bytes per parameter
-# of model states: about 20 GiB before a single activation, more than a 15 GB T4 holds. Low-rank adaptation (LoRA,
-# [Hu et al. (2022)](../book/references.md)) freezes the model and trains a few million new parameters beside it;
-# QLoRA ([Dettmers et al. (2023)](../book/references.md)) also stores the frozen model in 4 bits. This chapter
+# of model states: about 20 GiB before a single activation, more than a 15 GB T4 holds. Low-rank adaptation ([LoRA](https://gpu-efficient-training.github.io/book/book/glossary.html#lora),
+# [Hu et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html)) freezes the model and trains a few million new parameters beside it;
+# [QLoRA](https://gpu-efficient-training.github.io/book/book/glossary.html#qlora) ([Dettmers et al. (2023)](https://gpu-efficient-training.github.io/book/book/references.html)) also stores the frozen model in 4 bits. This chapter
 # writes a LoRA layer by hand, checks it against the `peft` library, and measures what the two methods save, what
 # they cost, and whether the model still learns.
 #
@@ -34,12 +34,12 @@
 # - what the LoRA rank costs, and whether LoRA and QLoRA learn as well as full fine-tuning on a learnable task;
 # - the headline numbers of both papers, recomputed from byte counts.
 #
-# **Prerequisites:** [chapter 1](01_memory_anatomy.ipynb) (memory components) and
-# [chapter 5](05_mixed_precision_optimizers.ipynb) (mixed precision, 8-bit and paged optimizers). Chapter 2 explains
-# block-wise quantization and the NF4 format that QLoRA uses; [chapter 8](08_profiling.ipynb) the timing method.
+# **Prerequisites:** [chapter 1](https://gpu-efficient-training.github.io/book/notebooks/01_memory_anatomy.html) (memory components) and
+# [chapter 5](https://gpu-efficient-training.github.io/book/notebooks/05_mixed_precision_optimizers.html) ([mixed precision](https://gpu-efficient-training.github.io/book/book/glossary.html#mixed-precision), 8-bit and paged optimizers). Chapter 2 explains
+# block-wise quantization and the [NF4](https://gpu-efficient-training.github.io/book/book/glossary.html#nf4) format that QLoRA uses; [chapter 8](https://gpu-efficient-training.github.io/book/notebooks/08_profiling.html) the timing method.
 # Every sentence that quotes a number is computed from this notebook's own run, on the machine named in the first
 # output below. On a CPU this notebook runs a tiny GPT-NeoX and skips the GPU-only measurements, saying so; on a
-# GPU without bf16 tensor cores (compute capability below 8.0, such as Colab's T4) the 16-bit parts run in fp16.
+# GPU without bf16 [tensor cores](https://gpu-efficient-training.github.io/book/book/glossary.html#tensor-cores) (compute capability below 8.0, such as Colab's T4) the 16-bit parts run in fp16.
 
 # %%
 import sys
@@ -109,7 +109,7 @@ else:
 #
 # $A$ starts random and $B$ starts at zero, so $\Delta W = 0$ and the adapted model computes exactly what the base
 # model computes until the first update. Hu et al. chose the factor $\alpha / r$ so that changing $r$ needs little
-# retuning of $\alpha$. [Kalajdzievski (2023)](../book/references.md) showed that it overcorrects: with
+# retuning of $\alpha$. [Kalajdzievski (2023)](https://gpu-efficient-training.github.io/book/book/references.html) showed that it overcorrects: with
 # $\alpha / r$ the updates shrink as $r$ grows, and learning at large ranks slows down until a larger rank brings
 # no gain. His *rank-stabilised* LoRA (rsLoRA) scales by $\alpha / \sqrt{r}$ instead, which keeps the updates'
 # size independent of the rank; peft offers it as `LoraConfig(use_rslora=True)` (section 6.2 checks the factor).
@@ -186,7 +186,8 @@ lora_counts = pd.Series({
 })
 lora_counts
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (6.1 LoRA by hand)
 display(Markdown(
     f"Both assertions passed: the adapted model's logits equal the base model's bit for bit, and the trainable count "
     f"is exactly r (d_in + d_out) summed over the {len(adapted)} adapted layers, "
@@ -310,7 +311,8 @@ moved = (logits_adapter - logits_base).abs().max().item()
 print(f"merged vs adapter model: max |difference| {merge_diff:.2e} (logits up to {logit_scale:.2f}; "
       f"tolerance rtol = 1e-4, atol = 1e-4 x {logit_scale:.2f}); the adapters moved the logits by up to {moved:.2f}")
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (6.2 The same with peft)
 display(Markdown(
     f"The merged model agrees with the adapter model to {merge_diff:.1e} in the logits, fp32 rounding of a different "
     f"order of operations, while the adapters themselves changed the logits by up to {moved:.2f}: the check would "
@@ -330,7 +332,8 @@ sizes = pd.Series({
 sizes["full / adapter"] = sizes.iloc[0] / sizes.iloc[1]
 sizes
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (6.2 The same with peft)
 display(Markdown(
     f"The adapter is {sizes.iloc[1]:.1f} MiB (its fp32 weights, a JSON config and a short README) against "
     f"{sizes.iloc[0]:,.0f} MiB for the full model in {AMP_NAME}, {sizes.iloc[3]:,.0f} times smaller. One base model "
@@ -350,7 +353,7 @@ if prof.on_gpu:
 # book's chapter 5):
 #
 # - **full fine-tuning, fp32**: every parameter trains, fp32 weights, AdamW (`fused=True`, the Trainer's default);
-# - **full fine-tuning, autocast**: the same with mixed precision (chapter 5);
+# - **full fine-tuning, [autocast](https://gpu-efficient-training.github.io/book/book/glossary.html#autocast)**: the same with mixed precision (chapter 5);
 # - **LoRA**: the base in bf16 (fp16 without bf16 tensor cores), frozen; fp32 adapters with $r = 8$ on every linear
 #   layer of the 24 blocks (the two attention projections and the MLP's `dense_h_to_4h` and `dense_4h_to_h`), AdamW;
 #   autocast;
@@ -364,15 +367,15 @@ if prof.on_gpu:
 #
 # Sections 6.1 and 6.2 adapted attention only, as the LoRA paper did for GPT-3. Here the adapters go on every linear
 # layer, as in the QLoRA paper, which found that adapting all of them is what it takes to match full fine-tuning
-# ([Dettmers et al. (2023)](../book/references.md)). Per block that is $r(4d + 2d + 5d + 5d) = 16rd$ trainable
+# ([Dettmers et al. (2023)](https://gpu-efficient-training.github.io/book/book/references.html)). Per block that is $r(4d + 2d + 5d + 5d) = 16rd$ trainable
 # parameters.
 #
 # `prepare_model_for_kbit_training` freezes the base and casts the parameters that are not quantized (embeddings,
-# LM head, layer norms) to fp32 for stability; by default it also turns on gradient checkpointing, which we switch off
-# here so that the runs keep the same activations (chapter 4 measures checkpointing). Model states follow from byte
+# LM head, layer norms) to fp32 for stability; by default it also turns on [gradient checkpointing](https://gpu-efficient-training.github.io/book/book/glossary.html#gradient-checkpointing), which we switch off
+# here so that the runs keep the same [activations](https://gpu-efficient-training.github.io/book/book/glossary.html#activations) (chapter 4 measures checkpointing). Model states follow from byte
 # counts: full fine-tuning in fp32 keeps 16 bytes per parameter, which no T4 can hold for this model. On a larger GPU
 # we first **emulate a T4**, as chapter 1 does: `measure.t4_budget` computes the T4's 14.75 GiB minus this process's
-# CUDA context, and `measure.gpu_budget` caps PyTorch's allocator there. A run that runs out of memory there is
+# [CUDA context](https://gpu-efficient-training.github.io/book/book/glossary.html#cuda-context), and `measure.gpu_budget` caps PyTorch's allocator there. A run that runs out of memory there is
 # repeated on the whole GPU, and its numbers are labelled as such; on a real T4 it stays out of memory, and the rest
 # of the chapter shows it as such.
 
@@ -415,10 +418,10 @@ def qlora():
 
 # %% [markdown]
 # One function trains any of them: it builds the model and optimizer, runs the steps, and records the model states
-# by accounting (all weights and the trainable ones, gradients after `backward()`, optimizer states after `step()`),
+# by accounting (all weights and the trainable ones, gradients after `backward()`, [optimizer states](https://gpu-efficient-training.github.io/book/book/glossary.html#optimizer-states) after `step()`),
 # the bytes saved for backward in step 2 (`SavedTensorMeter`) and the autocast weight copies among them, the peak
 # allocated memory over the whole run, the loss of every step, and how many of the optimizer's state tensors bitsandbytes paged. After training, `time_it` times
-# ten more steps on one batch (after three warm-up steps; on a CPU, three after one), with the GPU-busy fraction. An out-of-memory error is
+# ten more steps on one batch (after three warm-up steps; on a CPU, three after one), with the [GPU-busy](https://gpu-efficient-training.github.io/book/book/glossary.html#gpu-busy) fraction. An out-of-memory error is
 # caught and reported with the phase it happened in.
 
 # %%
@@ -572,7 +575,8 @@ if budget is not None:
 fig.set_size_inches(10, 4.5)
 fig.tight_layout()
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title A number of the table with its unit, or "out of memory" where the run ran out of memory
 n_embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
 
 
@@ -630,7 +634,8 @@ if prof.on_gpu:
 else:
     print("skipped on CPU: peaks and the T4 budget need a GPU (the figure shows the accounted parts)")
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (6.3 Memory and speed)
 lines = []
 if LORA in ok_rows and QLORA in ok_rows:
     nf4_bits = 8 * (float(ft.loc[QLORA, "weights"]) - float(ft.loc[QLORA, "trainable weights"])) * GIB / n_base
@@ -753,7 +758,8 @@ speed_cmp[(LORA8, QLORA)] = interleave(LORA8, (lora_cfg[0], eight_bit, AMP), QLO
 cleanup.free(globals(), "lora_cfg", "qlora_cfg", "eight_bit", "lm_first")
 pd.DataFrame({f"{b} vs {a}": c.row() for (a, b), c in speed_cmp.items()}).T
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title LoRA against full fine-tuning, then one change at a time (8-bit optimizer, 4-bit base)…
 def lora_speed_text(cmps, n_layers, tokens):
     """LoRA against full fine-tuning, then one change at a time (8-bit optimizer, 4-bit base), all interleaved."""
     text = ""
@@ -870,7 +876,8 @@ for ax in (ax_p, ax_m):
 fig.suptitle("LoRA on every linear layer of the 1.3B model: what the rank costs")
 fig.tight_layout()
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title The ranks' step times (separate blocks of steps) and the same configuration timed twice…
 def rank_times_text(steps_ms, same, here, r):
     """The ranks' step times (separate blocks of steps) and the same configuration timed twice, as numbers only."""
     order = ("grow with the rank" if steps_ms.is_monotonic_increasing else
@@ -883,7 +890,8 @@ def rank_times_text(steps_ms, same, here, r):
             f"of that drift, not a cost of the rank. ")
 
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (6.3 Memory and speed)
 if len(rank_ok) >= 2:
     lo_r, hi_r = rank_ok.index[0], rank_ok.index[-1]
     a, b = rank_ok.loc[lo_r], rank_ok.loc[hi_r]
@@ -965,7 +973,8 @@ ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
 fig.tight_layout()
 final.map(lambda v: "—" if pd.isna(v) else f"{v:.3f}").to_frame()
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (6.4 Does it learn?)
 def loss_txt(name):
     return f"{final[name]:.3f}" if pd.notna(final.get(name, float("nan"))) else "— (out of memory)"
 
@@ -995,7 +1004,7 @@ display(Markdown(text))
 # Read the comparison with full fine-tuning with care. The base model here has random weights, so LoRA must solve
 # the task through rank-8 changes inside a network that knows nothing, with a frozen random LM head. Fine-tuning in
 # practice starts from a pretrained model that already represents most of what the task needs; there the LoRA paper
-# finds it on par with full fine-tuning on GPT-3 and RoBERTa ([Hu et al. (2022)](../book/references.md)). What this
+# finds it on par with full fine-tuning on GPT-3 and RoBERTa ([Hu et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html)). What this
 # experiment does show is the machinery working end to end: gradients reach the adapters through frozen 16-bit and
 # 4-bit layers, and the loss falls.
 
@@ -1008,7 +1017,7 @@ if prof.on_gpu:
 # %% [markdown]
 # ## 6.5 The papers' numbers by formula
 #
-# **LoRA on GPT-3 175B.** [Hu et al. (2022)](../book/references.md) report that LoRA cut the GPU memory of training
+# **LoRA on GPT-3 175B.** [Hu et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html) report that LoRA cut the GPU memory of training
 # GPT-3 175B from 1.2 TB to 350 GB, and the checkpoint from 350 GB to 35 MB, with $r = 4$ on the query and value
 # projections of all 96 layers. We build a GPT-3-shaped model on PyTorch's `meta` device (shapes, no memory) to count
 # its parameters, count the adapters with the formula, and turn both into bytes with the book's per-parameter rules
@@ -1057,7 +1066,8 @@ lora_paper = pd.DataFrame(
 print(f"GPT-3-shaped model: {n_gpt3 / 1e9:.1f} B parameters; LoRA r = 4 on W_q, W_v: {n_lora_gpt3:,} trainable")
 print(lora_paper.to_string())
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (6.5 The papers' numbers by formula)
 full8 = state_bytes(n_gpt3, "fp16_adamw")
 display(Markdown(
     f"The LoRA side of the paper's claim is pure weight storage: 2 bytes for each of the 175 billion frozen "
@@ -1072,7 +1082,7 @@ display(Markdown(
 ))
 
 # %% [markdown]
-# **QLoRA on a 65B model.** [Dettmers et al. (2023)](../book/references.md) fine-tune LLaMA-65B on one 48 GB GPU, where 16-bit full
+# **QLoRA on a 65B model.** [Dettmers et al. (2023)](https://gpu-efficient-training.github.io/book/book/references.html) fine-tune LLaMA-65B on one 48 GB GPU, where 16-bit full
 # fine-tuning needs "more than 780 GB". Their setting: NF4 weights with double quantization, LoRA with $r = 64$ on
 # every linear layer, adapters in bf16, a paged AdamW with 32-bit states, gradient checkpointing. The NF4 weights
 # cost 4 bits plus their quantization constants: one fp32 scale per block of 64 weights is 0.5 bits per weight;
@@ -1106,7 +1116,8 @@ print(f"LLaMA-65B shape: {n_llama / 1e9:.2f} B parameters, {n_quantized / 1e9:.2
       f"LoRA r = 64 on all {len(linears)} of them: {n_lora_llama / 1e6:,.0f} M trainable; NF4: {nf4_bits:.3f} bits/weight")
 print(qlora_paper.to_string())
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (6.5 The papers' numbers by formula)
 q_gb = sum(qlora_bytes.values()) / 1e9
 display(Markdown(
     f"16-bit full fine-tuning needs {sum(full16.values()) / 1e9:,.0f} GB of model states, the paper's \"more than "
@@ -1146,7 +1157,8 @@ ft[summary_cols].astype(object).where(ft[summary_cols].notna(), "—")
 #   on a 48 GB card follow; the paper's 1.2 TB for full fine-tuning of GPT-3 is matched only approximately (8 bytes
 #   per parameter give 1.27 TiB).
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (Summary)
 if prof.on_gpu:
     peaks = "; ".join(f"{n}: {gib(n, 'peak allocated')}" for n in ft.index)
     display(Markdown(f"In this run: {trainable:,} trainable parameters in section 6.1 ({100 * trainable / n_base:.2f}% "
@@ -1226,7 +1238,7 @@ else:
 #
 #    <details><summary>Answer</summary>
 #
-#    The activations fall by most of their size and the peak with them (the activation part of section 6.3's breakdown). The GPU does about one more forward pass of work, plus the 4-bit dequantization again in the recomputation; where the GPU is the limit that is around a third more time. At section 6.3's batch the QLoRA step is host-bound, and chapter 4 measured the 1.3B model at batch 4 paying far more than a third there, because the recomputation issues every layer's kernels a second time.
+#    The activations fall by most of their size and the peak with them (the activation part of section 6.3's breakdown). The GPU does about one more forward pass of work, plus the 4-bit dequantization again in the recomputation; where the GPU is the limit that is around a third more time. At section 6.3's batch the QLoRA step is [host-bound](https://gpu-efficient-training.github.io/book/book/glossary.html#host-bound), and chapter 4 measured the 1.3B model at batch 4 paying far more than a third there, because the recomputation issues every layer's kernels a second time.
 #
 #    </details>
 #
@@ -1247,13 +1259,13 @@ else:
 #
 # ## References
 #
-# - [Hu et al. (2022)](../book/references.md): LoRA, its initialisation and scaling, the GPT-3 175B numbers.
-# - [Kalajdzievski (2023)](../book/references.md): rank-stabilised LoRA, the $\alpha / \sqrt{r}$ scaling.
-# - [Dettmers et al. (2023)](../book/references.md): QLoRA, NF4, double quantization, paged optimizers, the 65B model on 48 GB.
-# - [Dettmers et al. (2022), 8-bit optimizers](../book/references.md): the 8-bit optimizers used by QLoRA's paged AdamW.
-# - [Heo (2024)](../book/references.md), chapter 5: LoRA and QLoRA on polyglot-ko-1.3b, the model of this chapter.
+# - [Hu et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html): LoRA, its initialisation and scaling, the GPT-3 175B numbers.
+# - [Kalajdzievski (2023)](https://gpu-efficient-training.github.io/book/book/references.html): rank-stabilised LoRA, the $\alpha / \sqrt{r}$ scaling.
+# - [Dettmers et al. (2023)](https://gpu-efficient-training.github.io/book/book/references.html): QLoRA, NF4, double quantization, paged optimizers, the 65B model on 48 GB.
+# - [Dettmers et al. (2022), 8-bit optimizers](https://gpu-efficient-training.github.io/book/book/references.html): the 8-bit optimizers used by QLoRA's paged AdamW.
+# - [Heo (2024)](https://gpu-efficient-training.github.io/book/book/references.html), chapter 5: LoRA and QLoRA on polyglot-ko-1.3b, the model of this chapter.
 #
-# All the works the book cites are on the [references page](../book/references.md).
+# All the works the book cites are on the [references page](https://gpu-efficient-training.github.io/book/book/references.html).
 
 # %% [markdown]
 # Every experiment freed what it made. cuBLAS keeps a workspace for each handle and stream on which it ran a matrix

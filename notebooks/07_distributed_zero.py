@@ -17,9 +17,9 @@
 # # 7. Beyond one GPU: data, tensor and pipeline parallelism, ZeRO and FSDP
 #
 # Chapter 1 counted 16 bytes per parameter for training in fp32 with AdamW: weights, gradients and two
-# optimizer states. For the 1.33-billion-parameter GPT-NeoX of this book that is $16 \times 1.33 \times 10^9$
+# [optimizer states](https://gpu-efficient-training.github.io/book/book/glossary.html#optimizer-states). For the 1.33-billion-parameter GPT-NeoX of this book that is $16 \times 1.33 \times 10^9$
 # bytes, about 20 GiB, before a single activation, more than a T4 holds, and the 7.5-billion-parameter model of
-# the ZeRO paper needs $16 \times 7.5 \times 10^9$ bytes = 120 GB in mixed precision.
+# the [ZeRO](https://gpu-efficient-training.github.io/book/book/glossary.html#zero) paper needs $16 \times 7.5 \times 10^9$ bytes = 120 GB in [mixed precision](https://gpu-efficient-training.github.io/book/book/glossary.html#mixed-precision).
 # When the model states no longer fit one GPU, or when one GPU is too slow, training is split over several.
 # This chapter runs the ways of splitting it, with PyTorch's own engines, on two GPUs, and holds each against
 # the arithmetic that predicts it.
@@ -30,9 +30,9 @@
 #   `DistributedDataParallel`, and checked against one process on the whole batch;
 # - how tensor parallelism splits a matrix product by columns and by rows, an MLP block and attention by
 #   heads, and what each split must communicate; how pipeline parallelism leaves GPUs idle (the bubble);
-# - the ZeRO formula for per-GPU memory of model states ([Rajbhandari et al., 2020](../book/references.md)), reproducing the
+# - the ZeRO formula for per-GPU memory of model states ([Rajbhandari et al., 2020](https://gpu-efficient-training.github.io/book/book/references.html)), reproducing the
 #   paper's 7.5B example;
-# - ZeRO for real: the same model trained under DDP, `ZeroRedundancyOptimizer` (ZeRO-1) and FSDP
+# - ZeRO for real: the same model trained under [DDP](https://gpu-efficient-training.github.io/book/book/glossary.html#ddp), `ZeroRedundancyOptimizer` (ZeRO-1) and [FSDP](https://gpu-efficient-training.github.io/book/book/glossary.html#fsdp)
 #   (ZeRO-2-like and ZeRO-3), launched with `torchrun`, measured per rank, and compared with the formula;
 #   the throughput that a second GPU adds, per engine;
 # - the same through `accelerate launch` with an FSDP config, without changing the training script;
@@ -164,7 +164,8 @@ dp_check = pd.DataFrame(
 ).rename(columns=lambda v: f"{v}: max relative difference")
 dp_check.map("{:.1e}".format)
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (7.1 Data parallelism)
 if ranks:
     display(Markdown(
         f"Both data-parallel gradients match the single process's on every rank: the largest difference is "
@@ -186,7 +187,7 @@ else:
 # ## 7.2 Tensor parallelism by hand: splitting the matrix products
 #
 # Data parallelism copies the model. Model parallelism splits it: **tensor parallelism** splits each layer's
-# weight matrices over GPUs ([Shoeybi et al., 2019](../book/references.md), Megatron-LM), **pipeline parallelism** gives
+# weight matrices over GPUs ([Shoeybi et al., 2019](https://gpu-efficient-training.github.io/book/book/references.html), Megatron-LM), **pipeline parallelism** gives
 # each GPU a range of layers. A matrix product $Y = XA$ can be split two ways:
 #
 # - by **columns**: $A = [A_1, A_2]$, so $Y = [XA_1, XA_2]$. Each GPU needs all of $X$ and produces a slice of
@@ -263,7 +264,7 @@ print(f"attention with {heads} heads split over 2 GPUs ({heads // 2} heads each)
 # **What it costs.** A tensor-parallel transformer layer all-reduces its $b \times s \times h$ output twice in
 # the forward pass (after attention and after the MLP) and twice in the backward pass (the gradients with
 # respect to the inputs), every layer, every step. Data parallelism all-reduces each gradient once per step.
-# For this book's 1.3B model at batch 4, sequence 256, with 16-bit activations and fp32 gradients, the sizes
+# For this book's 1.3B model at batch 4, sequence 256, with 16-bit [activations](https://gpu-efficient-training.github.io/book/book/glossary.html#activations) and fp32 gradients, the sizes
 # of the all-reduced buffers (with a ring on $N$ GPUs each rank sends $2(N-1)/N$ times these: as much on 2
 # GPUs, nearly twice as much on many; the factor is the same for both kinds, so the comparison holds):
 
@@ -280,7 +281,8 @@ comm = pd.DataFrame({
 }, index=["tensor parallel", "tensor parallel", "data parallel"])
 print(comm.to_string(float_format="{:,.2f}".format))
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (7.2 Tensor parallelism by hand)
 tp_mib, dp_mib = tp_bytes_layer * cfg.num_hidden_layers / MIB, 4 * n_full / MIB
 display(Markdown(
     f"Tensor parallelism all-reduces {'less' if tp_mib < dp_mib else 'more'} here ({tp_mib:,.0f} MiB against "
@@ -291,12 +293,12 @@ display(Markdown(
 # %% [markdown]
 # Gradient all-reduces can overlap with
 # the rest of the backward pass. That is why tensor parallelism is kept inside one machine, on NVLink, and data
-# parallelism goes between machines ([Narayanan et al., 2021](../book/references.md)).
+# parallelism goes between machines ([Narayanan et al., 2021](https://gpu-efficient-training.github.io/book/book/references.html)).
 #
 # **Pipeline parallelism** gives each of $p$ GPUs a consecutive range of layers (a *stage*). Activations flow
 # forward from stage to stage and gradients flow back: the communication is small, one activation tensor per
 # stage boundary. The cost is idle time. With one batch, stage 2 waits for stage 1's forward, and stage 1 for
-# stage 2's backward. GPipe ([Huang et al., 2019](../book/references.md)) cuts the batch into $m$ *micro-batches* that follow
+# stage 2's backward. GPipe ([Huang et al., 2019](https://gpu-efficient-training.github.io/book/book/references.html)) cuts the batch into $m$ *micro-batches* that follow
 # each other through the pipeline. The schedule below is computed, not measured: each stage runs its tasks in
 # order (all forwards, then all backwards), each as soon as its input is ready, with a backward taking twice
 # as long as a forward (chapter 1).
@@ -351,21 +353,22 @@ axes[0].legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in ("#4C72B0"
 fig.suptitle("GPipe on 4 stages: micro-batches shrink the pipeline bubble")
 fig.tight_layout()
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (7.2 Tensor parallelism by hand)
 display(Markdown(
     f"With one micro-batch, {bubbles[1]:.0%} of the GPUs' time is idle: each GPU waits while the others work. "
     f"Eight micro-batches bring it to {bubbles[8]:.0%}, 32 to {bubbles[32]:.0%}."))
 
 # %% [markdown]
-# More micro-batches cost memory: GPipe keeps every micro-batch's activations until its backward pass. The
-# "one forward, one backward" (1F1B) schedule of [Narayanan et al. (2021)](../book/references.md) has the same bubble but
+# More micro-batches cost memory: GPipe keeps every [micro-batch](https://gpu-efficient-training.github.io/book/book/glossary.html#micro-batch)'s activations until its backward pass. The
+# "one forward, one backward" (1F1B) schedule of [Narayanan et al. (2021)](https://gpu-efficient-training.github.io/book/book/references.html) has the same bubble but
 # starts backward passes early, so a stage holds at most $p$ micro-batches' activations.
 
 # %% [markdown]
 # ## 7.3 ZeRO by formula
 #
 # Data parallelism copies everything to every GPU: parameters, gradients and optimizer states, the *model
-# states*. ZeRO ([Rajbhandari et al., 2020](../book/references.md), "Zero Redundancy Optimizer") removes the copies in three
+# states*. ZeRO ([Rajbhandari et al., 2020](https://gpu-efficient-training.github.io/book/book/references.html), "Zero Redundancy Optimizer") removes the copies in three
 # stages: each of the $N_d$ GPUs keeps $1/N_d$ of the optimizer states (stage 1, $P_{os}$), then also of the
 # gradients (stage 2, $P_{os+g}$), then also of the parameters (stage 3, $P_{os+g+p}$), and fetches what it
 # needs when it needs it. With $\Psi$ parameters, mixed precision with Adam keeps fp16 parameters and
@@ -394,7 +397,8 @@ paper = pd.DataFrame({
 assert (paper["formula (GB)"].round(1) == paper["paper (GB)"]).all()  # the paper's numbers, to its precision
 print(paper.to_string(float_format="{:,.2f}".format))
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (7.3 ZeRO by formula)
 gb = paper["formula (GB)"].to_numpy()
 display(Markdown(
     f"The formula gives the paper's {gb[0]:.0f}, {gb[1]:.1f}, {gb[2]:.1f} and {gb[3]:.1f} GB, which the paper rounds "
@@ -413,7 +417,8 @@ fig.axes[0].axhline(T4_MEMORY_GIB, color="grey", linestyle="--", label="a T4's 1
 fig.axes[0].legend()
 fig.tight_layout()
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (7.3 ZeRO by formula)
 display(Markdown(
     f"ZeRO-1 and ZeRO-2 level off: however many GPUs, each keeps the full fp16 parameters and (ZeRO-1) gradients, "
     f"$4\\Psi$ = {4 * psi / GIB:.1f} GiB and $2\\Psi$ = {2 * psi / GIB:.1f} GiB."))
@@ -441,7 +446,7 @@ display(Markdown(
 #   the step. It sends DDP's all-reduce *plus* those broadcasts: per rank $2(N-1)/N$ times the gradient
 #   bytes and $(N-1)/N$ times the parameter bytes, about 1.5 times DDP's traffic when both are fp32 (the
 #   paper's ZeRO-1 reduce-scatters the gradients instead and sends no more than DDP).
-# - **FSDP** ([Zhao et al., 2023](../book/references.md)), here FSDP2's `fully_shard`, applied to every transformer block and
+# - **FSDP** ([Zhao et al., 2023](https://gpu-efficient-training.github.io/book/book/references.html)), here FSDP2's `fully_shard`, applied to every transformer block and
 #   then to the whole model: parameters, gradients and optimizer states are sharded *at rest*. A block's
 #   parameters are all-gathered just before it runs and its gradients reduce-scattered right after its
 #   backward. With `reshard_after_forward=True` the gathered parameters are freed after each block's forward
@@ -462,7 +467,7 @@ Code(inspect.getsource(zero_script.wrap), language="python")
 # master copy: the fp32 weights are the master). For each strategy every rank trains a few steps on its own
 # random batches and records the bytes it holds, counted by `accounting.model_state_bytes` (FSDP
 # turns each tensor into a `DTensor` whose `numel()` is the global size; each rank counts its local shard),
-# the bytes of whole parameters it holds right after the forward pass (*gathered*), its peak allocated
+# the bytes of whole parameters it holds right after the forward pass (*gathered*), its [peak allocated](https://gpu-efficient-training.github.io/book/book/glossary.html#peak-allocated-memory)
 # memory (GPU only) and the time of each of its timed steps (after untimed warm-up steps). The full profile
 # trains the 1.3B GPT-NeoX at batch 4 per rank, sequence 256; we launch it on 1 GPU and on 2, and 4 GPUs would
 # be next. On the world size of 2, each rank also trains one more step, which rank 0 records with the profiler,
@@ -616,7 +621,8 @@ if run_profile.cuda_or_skip("peak allocated memory is an allocator statistic"):
     ax.set_title(f"{model_size}, fp32 AdamW, batch {size['batch']} x {size['seq']}: peak memory per rank")
     ax.figure.tight_layout()
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title The verdict of timing.unpaired in words
 def launch_words(verdict, what=""):
     """The verdict of ``timing.unpaired`` in words: a difference only beyond its 10% margin for separate runs."""
     if verdict == timing.NO_DIFFERENCE:
@@ -669,7 +675,8 @@ if prof.on_gpu and 2 in world_sizes:
 else:
     print("skipped: scaling needs 2 GPUs" + ("" if prof.on_gpu else " (CPU processes share one CPU's cores)"))
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title The 1-to-2-GPU sentence from timing.unpaired results per engine
 SHORT = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3"}  # for names inside parentheses
 
 
@@ -736,7 +743,7 @@ Code((SCRIPTS / "accelerate_fsdp.yaml").read_text(), language="yaml")
 # %% [markdown]
 # `mixed_precision: "no"` is accelerate's own setting (the config key, or `--mixed_precision` on the
 # command line; choices `no`, `fp16`, `bf16`, `fp8`): the run trains in fp32, like every other run of this
-# chapter. `bf16` would make accelerate wrap the forward pass in bf16 autocast and, under FSDP, also gather
+# chapter. `bf16` would make accelerate wrap the forward pass in bf16 [autocast](https://gpu-efficient-training.github.io/book/book/glossary.html#autocast) and, under FSDP, also gather
 # parameters and reduce gradients in bf16 (an FSDP mixed-precision policy); the script's own `--bf16` flag
 # (exercise 2) turns on autocast only.
 #
@@ -766,7 +773,8 @@ print(f"accelerate wrapped the model as {acc['wrapped_as'].iloc[0]}: per rank th
 acc_cols = ["rank", *held, "gathered_params_mib", "peak_allocated_mib", "step_time_s"]
 acc[acc_cols]
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (7.5 The same through accelerate)
 if engine == "zero3":
     gathered_mib = acc["gathered_params_mib"].max()
     display(Markdown(
@@ -821,7 +829,7 @@ print("DeepSpeed is installed, but this chapter runs only the FSDP config" if de
 # How fast are the collectives themselves? `scripts/collectives_bench.py` times all-reduce, reduce-scatter,
 # all-gather and broadcast on every GPU this process sees (`CUDA_VISIBLE_DEVICES` can hide others), from 1 MiB to 4 GiB (in the tiny profile: two CPU
 # processes with gloo, 64 KiB to 4 MiB). It follows the definitions of NVIDIA's `nccl-tests`
-# ([NVIDIA (2024)](../book/references.md), its doc/PERFORMANCE.md): for a collective on $S$ bytes that takes $t$
+# ([NVIDIA (2024)](https://gpu-efficient-training.github.io/book/book/references.html), its doc/PERFORMANCE.md): for a collective on $S$ bytes that takes $t$
 # seconds on $n$ ranks, the *algorithm bandwidth* is $S/t$ and the *bus bandwidth* multiplies it by what a
 # ring moves over each link: $2(n-1)/n$ for all-reduce (the ring of section 7.1), $(n-1)/n$ for
 # reduce-scatter and all-gather, 1 for broadcast. The bus bandwidth does not depend on $n$ for an ideal
@@ -849,13 +857,13 @@ else:
 
 # %% [markdown]
 # The link's nominal bandwidth: `nvidia-smi nvlink -s` lists each NVLink of a GPU with the speed the driver
-# reports for it. NVIDIA's datasheets for the H100 SXM and the H200 (the latter: [NVIDIA (2024)](../book/references.md))
+# reports for it. NVIDIA's datasheets for the H100 SXM and the H200 (the latter: [NVIDIA (2024)](https://gpu-efficient-training.github.io/book/book/references.html))
 # give 900 GB/s of NVLink
 # bandwidth per GPU, counted in both directions together: 450 GB/s each way, the number a bus bandwidth is held
 # against (the H100 SXM has the same fourth-generation NVLink, 18 links per GPU, so the same figure holds for it). The driver's per-link figures, summed, need not equal the datasheet's exactly; both are drawn where
 # found, and the text below uses the datasheet's where it knows the GPU. Neither is reachable in practice: NCCL's
 # maintainer puts NCCL's protocol overhead on NVLink at about 20%, which leaves an effective 370 GB/s of the
-# H100's 450 GB/s line rate, the bus bandwidth to expect from a ring ([Jeaugey (2024)](../book/references.md),
+# H100's 450 GB/s line rate, the bus bandwidth to expect from a ring ([Jeaugey (2024)](https://gpu-efficient-training.github.io/book/book/references.html),
 # on an H100; the H200 has the same NVLink 4).
 
 # %%
@@ -899,7 +907,8 @@ if bw is not None:
     ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (7.7 Communication, measured)
 if prof.on_gpu and bw is not None:
     big_mib, small_mib = bandwidth.index.get_level_values(1).max(), bandwidth.index.get_level_values(1).min()
     big, small = bandwidth.xs(big_mib, level=1), bandwidth.xs(small_mib, level=1)
@@ -993,7 +1002,8 @@ else:
           "the formula for 2 ranks, in MiB per step:" if not prof.on_gpu else "skipped: no 2-GPU run to trace")
     display(formula_mib.rename("formula S (MiB)").to_frame())
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Each engine's step growth from 1 to 2 GPUs (two separate launches) beside the traced…
 def growth_attribution(samples, overlap):
     """Each engine's step growth from 1 to 2 GPUs (two separate launches) beside the traced step's exposed
     communication. ``samples``: step times per (world size, strategy); ``overlap``: section 7.7's table, by
@@ -1027,7 +1037,8 @@ def growth_attribution(samples, overlap):
     return text
 
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (Each engine's bytes per step)
 if prof.on_gpu and 2 in world_sizes:
     per_engine = comm_bytes.groupby(level="engine", sort=False)[["formula S (MiB)", "profiler S (MiB)"]].sum()
     ratio = per_engine["profiler S (MiB)"] / per_engine["formula S (MiB)"]
@@ -1072,7 +1083,8 @@ assert not freed.still_alive, f"still held elsewhere: {freed.still_alive}"
 # %% [markdown]
 # ## Summary
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (Summary)
 states_col, summary = f"model states ({unit_name})", {}
 for stage in estimates.STAGES:
     row = {}
@@ -1202,14 +1214,14 @@ pd.DataFrame(summary).T
 #
 # ## References
 #
-# - [Rajbhandari et al. (2020)](../book/references.md): ZeRO's three stages, the memory formula and figure 1, the
+# - [Rajbhandari et al. (2020)](https://gpu-efficient-training.github.io/book/book/references.html): ZeRO's three stages, the memory formula and figure 1, the
 #   communication volumes (section 7).
-# - [Shoeybi et al. (2019)](../book/references.md): tensor parallelism of the MLP block and of attention.
-# - [Zhao et al. (2023)](../book/references.md): PyTorch FSDP.
-# - [Huang et al. (2019)](../book/references.md) and [Narayanan et al. (2021)](../book/references.md): pipeline schedules and their bubble.
-# - [Heo (2024)](../book/references.md), chapter 5: data, pipeline and tensor parallelism and ZeRO, in pictures.
-# - [NVIDIA (2024)](../book/references.md), nccl-tests' doc/PERFORMANCE.md: algorithm and bus bandwidth.
-# - [NVIDIA (2024)](../book/references.md), H200 datasheet: NVLink bandwidth, 900 GB/s in both directions together.
+# - [Shoeybi et al. (2019)](https://gpu-efficient-training.github.io/book/book/references.html): tensor parallelism of the MLP block and of attention.
+# - [Zhao et al. (2023)](https://gpu-efficient-training.github.io/book/book/references.html): PyTorch FSDP.
+# - [Huang et al. (2019)](https://gpu-efficient-training.github.io/book/book/references.html) and [Narayanan et al. (2021)](https://gpu-efficient-training.github.io/book/book/references.html): pipeline schedules and their bubble.
+# - [Heo (2024)](https://gpu-efficient-training.github.io/book/book/references.html), chapter 5: data, pipeline and tensor parallelism and ZeRO, in pictures.
+# - [NVIDIA (2024)](https://gpu-efficient-training.github.io/book/book/references.html), nccl-tests' doc/PERFORMANCE.md: algorithm and bus bandwidth.
+# - [NVIDIA (2024)](https://gpu-efficient-training.github.io/book/book/references.html), H200 datasheet: NVLink bandwidth, 900 GB/s in both directions together.
 # - Hugging Face accelerate documentation: the `accelerate launch` options and the config file's keys
 #   (`mixed_precision`, `fsdp_config`).
 

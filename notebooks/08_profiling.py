@@ -31,17 +31,17 @@
 # - how to compare two versions of a step so that the verdict survives a re-run: interleaved rounds, the
 #   median per-round speed-up with its 95% interval, and a ±3% threshold for "faster" or "slower";
 # - how to read `torch.profiler`: a category table (GEMM, attention, element-wise, optimizer, ...),
-#   the **GPU-busy fraction** of a step, kernel launches, the per-phase split, a timeline picture and a
+#   the **[GPU-busy](https://gpu-efficient-training.github.io/book/book/glossary.html#gpu-busy) fraction** of a step, kernel launches, the per-phase split, a timeline picture and a
 #   trace file for Perfetto;
-# - the three regimes a training step can be in (host-bound, memory-bandwidth-bound, compute-bound),
+# - the three regimes a training step can be in ([host-bound](https://gpu-efficient-training.github.io/book/book/glossary.html#host-bound), memory-bandwidth-bound, compute-bound),
 #   measured on real workloads, with the fixes for the first two measured before and after (the
 #   compute-bound regime's levers are chapters 4 and 5);
 # - how to watch memory over time with PyTorch's allocator history, find a planted leak with it, and
 #   read a real out-of-memory message;
-# - what the caching allocator does with variable-length batches, and what `expandable_segments` changes.
+# - what the [caching allocator](https://gpu-efficient-training.github.io/book/book/glossary.html#caching-allocator) does with variable-length batches, and what `expandable_segments` changes.
 #
 # **Prerequisites:** chapter 1 (the phases of a training step and their memory), chapter 3 (batch size)
-# and chapter 5 (mixed precision, fused optimizers). A CUDA GPU for the timing sections; on a CPU the
+# and chapter 5 ([mixed precision](https://gpu-efficient-training.github.io/book/book/glossary.html#mixed-precision), fused optimizers). A CUDA GPU for the timing sections; on a CPU the
 # notebook runs with tiny models and skips the GPU-only steps, saying so.
 
 # %%
@@ -95,7 +95,7 @@ dev = prof.device
 # %% [markdown]
 # The first cell that touches the GPU notes what PyTorch has allocated before any experiment (nothing),
 # so that the last cell can check that the chapter gave everything back. It also decides the 16-bit type
-# for autocast: bf16 where the GPU's tensor cores support it (compute capability 8.0 and newer), fp16 on
+# for [autocast](https://gpu-efficient-training.github.io/book/book/glossary.html#autocast): bf16 where the GPU's [tensor cores](https://gpu-efficient-training.github.io/book/book/glossary.html#tensor-cores) support it (compute capability 8.0 and newer), fp16 on
 # older GPUs such as Colab's T4.
 
 # %%
@@ -163,7 +163,8 @@ if prof.on_gpu:
         peak = None
 clock_table
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title What the three clocks said about one n x n product
 def clocks_text(n, nosync_s, t, first_s, peak_tflops, flop):
     """What the three clocks said about one n x n product (``t``: its ``time_it`` result)."""
     peak_txt = f"this GPU's datasheet peak is {peak_tflops:,.0f} TFLOP/s" if peak_tflops else "no GPU reaches that"
@@ -193,7 +194,7 @@ else:
 #
 # - *wall*: start of the call to the end of the GPU's work (the clock plus `synchronize`);
 # - *GPU*: CUDA events recorded before and after the call;
-# - *host enqueue*: start of the call until it returns, before synchronising: how long the CPU needs to
+# - *[host enqueue](https://gpu-efficient-training.github.io/book/book/glossary.html#host-enqueue)*: start of the call until it returns, before synchronising: how long the CPU needs to
 #   issue the work.
 #
 # It reports the median, the interquartile range (IQR, the middle half of the samples) and the extremes.
@@ -215,7 +216,7 @@ else:
 #
 # If the host needed about as long to *issue* the work as the whole call took, and the GPU was busy only a
 # small part of the time, the GPU was waiting for the CPU: the call is **host-bound** (also called
-# launch-bound or overhead-bound). If the GPU was busy nearly all the time, it is **GPU-bound**.
+# launch-bound or overhead-bound). If the GPU was busy nearly all the time, it is **[GPU-bound](https://gpu-efficient-training.github.io/book/book/glossary.html#gpu-bound)**.
 # `timing.verdict` draws the lines: GPU-bound from 90% busy; host-bound when the GPU was busy less than 70%
 # of the time and the host issued work for longer than the GPU ran; **mixed** in between, where both sides
 # matter (the 20-point band also keeps a step whose busy fraction moves by a few points between two runs
@@ -231,7 +232,8 @@ regimes_demo = {
 demo_table = pd.DataFrame({k: t.summary() for k, t in regimes_demo.items()}).T
 demo_table
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title The two extremes
 def regimes_text(tiny_t, mm_t, launches=200):
     """The two extremes: ``launches`` tiny additions (host-bound) against one large product (GPU-bound)."""
     return (f"The tiny additions keep the GPU busy {prose.pct(tiny_t.gpu_busy)} of the time: each kernel runs for "
@@ -321,7 +323,8 @@ ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
 ax.set_title("identical work on both sides: what each method reports")
 fig.tight_layout()
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title What the block method and the interleaved rounds reported for identical work on both sides
 def methods_text(block_rows, c):
     """What the block method and the interleaved rounds reported for identical work on both sides."""
     words = [r["verdict"] for r in block_rows]
@@ -466,7 +469,8 @@ big_bert = ("bert-large-uncased", SETUPS["bert-large-uncased"]["batches"][-1])
 top = profiles_by_config[big_bert].top_kernels(10, width=70) if big_bert in profiles_by_config else None
 top
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title One bullet per model (busy, step time, host enqueue, verdict) and one on the host-bound…
 def regime_lines(r):
     """One bullet per model (busy, step time, host enqueue, verdict) and one on the host-bound rows; ``r``:
     the step table's rows of the configurations that fit, indexed by (model, batch)."""
@@ -644,7 +648,8 @@ fig.suptitle(prof.pick(tiny="the 1.3B model's tiny twin (CPU run)", full="1.3B G
              + ", chapter 3's setup (fp16 weights on a GPU, eager attention)")
 fig.tight_layout()
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title The sweep read by host enqueue against GPU kernel time (no block comparisons)
 def sweep_text(ok):
     """The sweep read by host enqueue against GPU kernel time (no block comparisons); ``ok``: the rows that fit."""
     b0, bl = ok.index[0], ok.index[-1]
@@ -701,7 +706,7 @@ else:
 # ### Host-bound: CUDA graphs
 #
 # When the batch cannot grow (memory, or the optimisation needs small batches), the other fix is to make
-# the launches cheaper. A **CUDA graph** records a whole sequence of kernels once and replays it with a
+# the launches cheaper. A **[CUDA graph](https://gpu-efficient-training.github.io/book/book/glossary.html#cuda-graph)** records a whole sequence of kernels once and replays it with a
 # single launch: the CPU no longer dispatches each operator. Its price: everything must be static (same
 # shapes, same memory addresses; new data is *copied into* the captured input tensors), no operation in
 # the step may synchronise with the CPU, and the optimizer must keep its step counter on the GPU
@@ -733,7 +738,7 @@ else:
 # between steps that a loop allows.
 #
 # One detail decides what the graph replays. The batch has no padding, and eager transformers drops an all-ones
-# `attention_mask` so that SDPA can pick its fused attention kernel. While capturing, transformers (5.17, this
+# `attention_mask` so that [SDPA](https://gpu-efficient-training.github.io/book/book/glossary.html#sdpa) can pick its fused attention kernel. While capturing, transformers (5.17, this
 # book was written with) treats the capture like `torch.compile`'s tracing: called with no mask, it builds an expanded
 # all-True mask that the fused kernels cannot take, and attention falls back to SDPA's *math* path, batched
 # matrix products and a softmax that upcast 16-bit inputs to fp32. Passing the batch's all-ones mask
@@ -817,7 +822,8 @@ if run_profile.cuda_or_skip("CUDA graphs need a GPU"):
     if "CUDA graph" in comps:
         display(comps["CUDA graph"].b.profile.top_kernels(6, width=70).rename_axis("kernels of the replay"))
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title The graph's comparison and the capturable optimizer's, each against the ordinary eager…
 def graph_text(cap_c, graph_c, cats, loop):
     """The graph's comparison and the capturable optimizer's, each against the ordinary eager step, with the
     attention kernel read from ``cats`` (GPU ms per step by category; columns eager, CUDA graph)."""
@@ -913,7 +919,8 @@ if prof.on_gpu:
     bw_table["achieved, by kernel time (GiB/s)"] = bw_table["bytes moved (GiB)"] / (bw_table["GPU kernel time (ms)"] / 1e3)
 bw_table
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title The copy and GeLU against the memory's speed, and fused against foreach AdamW
 def bandwidth_text(bw, c, sheet_gib_s=None):
     """The copy and GeLU against the memory's speed, and fused against ``foreach`` AdamW (``c``: interleaved)."""
     wall_bw, kern_bw = bw["achieved, by wall time (GiB/s)"], bw["achieved, by kernel time (GiB/s)"]
@@ -975,7 +982,8 @@ if prof.on_gpu:
 else:
     print("skipped on CPU: tensor-core rates need a GPU")
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (Compute-bound)
 if prof.on_gpu and len(ceiling_rows) >= 2:
     inside = ceiling_rows.get(f"GEMM kernels inside bert-large, batch {big_bert[1]}, by kernel time")
     measured = ceiling_rows[f"{n} x {n} product, by wall time"]
@@ -1002,7 +1010,7 @@ if prof.on_gpu and len(ceiling_rows) >= 2:
 # [pytorch.org/memory_viz](https://pytorch.org/memory_viz). `memsnap.record()` wraps both, and
 # `memsnap.plot` draws the timeline as stacked areas, coloured by where each allocation was made: in a
 # module's `forward`, in the autograd engine (`backward`), in `torch.optim` (`optimizer`), or before
-# recording began (the weights and optimizer states).
+# recording began (the weights and [optimizer states](https://gpu-efficient-training.github.io/book/book/glossary.html#optimizer-states)).
 
 # %%
 snap = None
@@ -1027,13 +1035,14 @@ if run_profile.cuda_or_skip("the allocator's history is CUDA-only"):
     display(snap_check.to_frame("value"))
 
 # %% [markdown]
-# Read it left to right. The forward pass (blue) rises as each layer saves its activations; the backward
+# Read it left to right. The forward pass (blue) rises as each layer saves its [activations](https://gpu-efficient-training.github.io/book/book/glossary.html#activations); the backward
 # pass frees them layer by layer (blue shrinks) while the gradients it produces grow (orange); then the
 # optimizer allocates its temporaries (green) on top of the gradients, and `zero_grad(set_to_none=True)`
 # gives the gradients back. The interactive page (`traces/bert_step_memory.html`, with the raw snapshot
 # beside it) shows the same history with every block's stack trace.
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (8.4 Memory over time)
 if snap is not None:
     at_peak = memsnap.peak_event(snap)
     origin_at_peak = at_peak["event"].split(" ", 1)[1]
@@ -1071,7 +1080,8 @@ if snap is not None:
     display(pd.Series(after_step_mib, name="allocated (MiB)").to_frame())
     display(memsnap.survivors(leak_rec, top=3))
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (8.4 Memory over time)
 if snap is not None:
     growth = np.diff(list(after_step_mib.values()))
     leaks = memsnap.survivors(leak_rec, top=3)
@@ -1116,7 +1126,7 @@ if snap is not None:
 # - **Tried to allocate**: the one request that failed, not the total the program needs;
 # - **total capacity ... of which ... is free**: the card as the driver sees it (here the card is much
 #   larger than the cap we set, so the failure is PyTorch's own limit, as it would be on a smaller card);
-# - **this process has ... memory in use**: everything this process holds, the CUDA context included;
+# - **this process has ... memory in use**: everything this process holds, the [CUDA context](https://gpu-efficient-training.github.io/book/book/glossary.html#cuda-context) included;
 #   **... allowed**: the cap, when one was set with `set_per_process_memory_fraction`;
 # - **allocated by PyTorch**: live tensors (of which some may sit in *private pools*, the memory CUDA
 #   graphs keep for themselves); **reserved by PyTorch but unallocated**: cached blocks that no tensor
@@ -1128,7 +1138,8 @@ if snap is not None:
 # and retried, so the "reserved but unallocated" memory it reports is what it could not give back: free
 # pieces inside segments that still hold live tensors.
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (8.4 Memory over time)
 if oom_message:
     o = oom_numbers
     prose.say(
@@ -1199,7 +1210,8 @@ if churn:
                  f"{slack['expandable_segments']:.2f} GiB with expandable_segments")
     fig.tight_layout()
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title The two allocators on the same random-length steps
 def churn_text(d, counters, slack):
     """The two allocators on the same random-length steps (``d``: per-step frames, ``counters``: the table)."""
     retries = counters.loc["retries after flushing the cache (num_alloc_retries)"]
@@ -1264,7 +1276,8 @@ if run_profile.cuda_or_skip("empty_cache only matters on a GPU"):
     if ec:
         display(pd.Series(ec.row(), name=f"bert-large, batch {bs_ec}").to_frame())
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (8.5 The caching allocator)
 if ec:
     extra_ms = (ec.b.wall.median - ec.a.wall.median) * 1e3
     prose.say(
@@ -1326,7 +1339,8 @@ pd.Series({tool: "found" if shutil.which(tool) else "not on PATH" for tool in ("
 # - `memsnap` shows memory over time by origin; a leak is an allocation that survives a step.
 # - Variable shapes fragment the caching allocator; `expandable_segments` reduces the slack.
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (Summary)
 if prof.on_gpu and len(step_table.dropna(subset=["GPU busy"])):
     lines = [f"- {m}, batch {b}: GPU busy {row['GPU busy']:.0%}, {row['host µs per GPU op']:.0f} µs of host time per GPU "
              f"operation, *{timing.verdict(row['GPU busy'], row['host enqueue (ms)'] / row['wall median (ms)'])}*"
@@ -1409,7 +1423,7 @@ else:
 #   (overhead, bandwidth, compute).
 # - NVIDIA, *Nsight Systems User Guide* and *nvidia-smi* documentation.
 #
-# All the works the book cites are on the [references page](../book/references.md).
+# All the works the book cites are on the [references page](https://gpu-efficient-training.github.io/book/book/references.html).
 
 # %% [markdown]
 # Every experiment freed what it made. One library keeps memory on purpose: cuBLAS holds a *workspace* for

@@ -38,15 +38,15 @@
 #   and on the 1.3B GPT-NeoX, in its `default` and `reduce-overhead` modes, compiled per layer (the optimizer
 #   step stays eager), and what
 #   compiling or capturing a whole model can do to the attention kernel;
-# - how a CUDA graph removes the launch overhead of a host-bound step, and which attention kernel runs
+# - how a [CUDA graph](https://gpu-efficient-training.github.io/book/book/glossary.html#cuda-graph) removes the launch overhead of a [host-bound](https://gpu-efficient-training.github.io/book/book/glossary.html#host-bound) step, and which attention kernel runs
 #   inside one;
 # - how to find and remove an input-pipeline stall (`num_workers`, `pin_memory`, `non_blocking`);
 # - a table of one-line "free wins" (fused AdamW, `set_to_none`, TF32, aligned shapes), each measured at a size
 #   where the GPU, not the host, sets the pace.
 #
-# **Prerequisites:** chapter 8 (`timing.time_it`, `timing.interleaved`, the GPU-busy fraction, the profiler's
+# **Prerequisites:** chapter 8 (`timing.time_it`, `timing.interleaved`, the [GPU-busy](https://gpu-efficient-training.github.io/book/book/glossary.html#gpu-busy) fraction, the profiler's
 # category table, host-bound steps), chapter 1 (activation memory), chapters 3 and 5 (batches of variable length,
-# mixed precision and fused optimizers). A CUDA GPU for the timing sections; on a CPU the notebook runs
+# [mixed precision](https://gpu-efficient-training.github.io/book/book/glossary.html#mixed-precision) and fused optimizers). A CUDA GPU for the timing sections; on a CPU the notebook runs
 # with tiny models and skips what only means something on a GPU, saying so.
 
 # %%
@@ -100,7 +100,7 @@ dev = prof.device
 
 # %% [markdown]
 # As in chapter 8, the first cell that touches the GPU notes the allocated memory (nothing yet) for the
-# final check, and picks autocast's 16-bit type from the GPU's compute capability. It also keeps a time
+# final check, and picks [autocast](https://gpu-efficient-training.github.io/book/book/glossary.html#autocast)'s 16-bit type from the GPU's compute capability. It also keeps a time
 # budget: the whole chapter is meant to run in a few minutes on one GPU, so the experiments charge their computing
 # time to it, and the most expensive ones (the compilations) check what is left before they start.
 #
@@ -212,7 +212,7 @@ LM_SHORT = "1.3B GPT-NeoX" if lm_layers == full_layers else f"GPT-NeoX ({lm_laye
 # Attention computes `softmax(Q Kᵀ / √d) V` for every head. Written out in PyTorch, it materialises the
 # score matrix `Q Kᵀ`, of size *s* × *s* per head and sequence, and keeps it (or the softmax of it) for the
 # backward pass. This is what `attn_implementation="eager"` in transformers does, and it is the term
-# `5·a·s²·b` bytes per layer of chapter 1's activation formula (Korthikanti et al. (2022), [references](../book/references.md)):
+# `5·a·s²·b` bytes per layer of chapter 1's activation formula (Korthikanti et al. (2022), [references](https://gpu-efficient-training.github.io/book/book/references.html)):
 # per score element, the softmax output (2 bytes, kept for the softmax's backward), its dropout mask (1 byte) and
 # the dropout output (2 bytes, kept for the product with V). The scores themselves are not kept.
 #
@@ -228,9 +228,9 @@ LM_SHORT = "1.3B GPT-NeoX" if lm_layers == full_layers else f"GPT-NeoX ({lm_laye
 # A **fused** attention kernel computes the same result tile by tile in the GPU's on-chip memory and never
 # writes the *s* × *s* matrix to GPU memory; the backward pass recomputes the tiles it needs from Q, K, V
 # and one number per row (the softmax's log-sum-exp). This is FlashAttention (Dao et al. (2022); versions 2
-# and 3, Dao (2024) and Shah et al. (2024), [references](../book/references.md)), whose papers claim
+# and 3, Dao (2024) and Shah et al. (2024), [references](https://gpu-efficient-training.github.io/book/book/references.html)), whose papers claim
 # memory linear in *s* and a speed-up of several times over the written-out version. PyTorch's
-# `F.scaled_dot_product_attention` (SDPA) has four implementations ("backends"): flash, memory-efficient
+# `F.scaled_dot_product_attention` ([SDPA](https://gpu-efficient-training.github.io/book/book/glossary.html#sdpa)) has four implementations ("backends"): flash, memory-efficient
 # (from xFormers), cuDNN, and math (the written-out version in C++, which since PyTorch 2.5 computes 16-bit inputs
 # in fp32 unless `torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)` is set, so it is slower than the
 # 16-bit version written in Python). It takes the first in a priority list that
@@ -310,7 +310,7 @@ capability_table
 # sequence length constant), as a training run with a token budget per step does, and uses the 1.3B
 # model's attention shape: 16 heads of dimension 128, causal (the tiny profile: 4 heads of 32). For each backend and length it times a forward
 # and backward pass (`time_it`, 10 repeats on a GPU: one configuration's time, not yet a comparison), records the
-# peak allocated memory above the inputs, and counts the bytes autograd saves for backward (chapter 1's
+# [peak allocated](https://gpu-efficient-training.github.io/book/book/glossary.html#peak-allocated-memory) memory above the inputs, and counts the bytes autograd saves for backward (chapter 1's
 # `SavedTensorMeter`). The TFLOP/s column counts the causal product's useful work, 7·b·a·s²·d floating-point
 # operations for forward and backward (the unmasked half of the two products, backward 2.5 times forward, the
 # convention of the FlashAttention papers' benchmarks). A backend that cannot run is a "not available" row; one
@@ -452,7 +452,8 @@ else:
     print("skipped on CPU: the comparisons of attention kernels are a GPU matter")
 
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title The sentences under the attention sweep, from its table and the interleaved comparisons
 def attention_text(table, cmp, mem_col, formula_mib, seq_lens, on_gpu=True):
     """The sentences under the attention sweep, from its table and the interleaved comparisons."""
     ok = table[table["status"] == "ok"]
@@ -525,7 +526,8 @@ per_element = {impl: (saved[impl] - saved[saved_ref]) * MIB / elements
 pd.Series(per_element, name=f"extra bytes saved per score element, s = {s_chk}, vs {saved_ref}").to_frame()
 
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title The saved-bytes sentence
 def saved_bytes_text(per_element, ref, s_chk, sweep_dtype):
     """The saved-bytes sentence: measured bytes per score element against the formula and this implementation."""
     pe = per_element["eager"]
@@ -571,7 +573,8 @@ elif prof.on_gpu:
     print("skipped: this GPU has no bf16 tensor cores, so the sweep above already ran in fp16")
 
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title fp16 against bf16, from the interleaved comparisons
 def dtype_text(cmp):
     """fp16 against bf16, from the interleaved comparisons: which cases differ beyond the noise."""
     differ = [f"{impl} at s = {s_} ({c.phrase()})" for (impl, s_), c in cmp.items() if c.verdict != timing.NO_DIFFERENCE]
@@ -653,7 +656,8 @@ assert leak["packed, use_cache=False"] < 1e-4, "packed logits differ from the do
 assert leak["naive concatenation (positions do not restart)"] > 1e-2, "the naive row should differ, or the check cannot fail"
 pd.Series(leak, name="largest |logit difference| to each document run alone").to_frame()
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (9.2 Padding, length grouping and packing)
 if leak["packed, the model's defaults"] > 1e-2:
     prose.say(
         "With `use_cache=False` the packed row reproduces every document's logits to float rounding: the boundaries "
@@ -674,7 +678,7 @@ else:
 # %% [markdown]
 # **The loss pitfall of chapter 3, again.** A packed row's loss is the mean over its labelled tokens, so a
 # long document weighs more than a short one: it is the *token-weighted* mean, not the mean of the
-# documents' own losses. Chapter 3 met the same difference with gradient accumulation. Neither is wrong, but
+# documents' own losses. Chapter 3 met the same difference with [gradient accumulation](https://gpu-efficient-training.github.io/book/book/glossary.html#gradient-accumulation). Neither is wrong, but
 # switching from padded batches of one document (the per-document mean, if the loss is averaged per sample)
 # to packing changes what is optimised.
 
@@ -786,7 +790,8 @@ fig.suptitle(prof.pick(tiny="tiny GPT-NeoX (CPU)", full=LM_SHORT) + ": what padd
 fig.tight_layout()
 
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title What padding costs, from the table and the two interleaved comparisons
 def packing_text(table, cmp, pad, group, pack):
     """What padding costs, from the table and the two interleaved comparisons."""
     base = next(iter(cmp.values())).a
@@ -1042,7 +1047,8 @@ if compile_cmp:
     fig.tight_layout()
 
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title The bullet of one compiled row
 def compile_lines(model, label, c, row, cats_e, cats_c, eager_peak):
     """The bullet of one compiled row: cost, speed-up, and why, branching on the compiled step's own numbers."""
     ew = "element-wise / normalisation"
@@ -1203,7 +1209,8 @@ else:
         print(f"torch._dynamo.explain, one call at 512 tokens: {explained.graph_count} graph(s), "
               f"{explained.graph_break_count} graph break(s)" + (": " + "; ".join(reasons[:3]) if reasons else ""))
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (9.3 torch.compile)
 if recompiles is not None:
     n = recompiles["compiled a graph"].astype(bool).groupby(level="setting").sum()
     cost = recompiles.loc[recompiles["compiled a graph"].astype(bool), "first call (s)"].astype(float)
@@ -1370,7 +1377,8 @@ if run_profile.cuda_or_skip("the kernel names under compilation and capture need
 # path does, and it computes 16-bit inputs in fp32 (section 9.1): that fp32 matrix product is also why Inductor may
 # warn above that TF32 is not enabled.
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (9.4 CUDA graphs for a host-bound step)
 if mask_probe is not None:
     def is_fused(label):
         return not (label.startswith("none") or label.startswith("capture failed"))  # a failed capture: no evidence
@@ -1489,7 +1497,8 @@ if run_profile.cuda_or_skip("CUDA graphs need a GPU"):
             print(f"{k}: {v}")
 
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title The CUDA-graph sentences
 def graph_text(result, probe):
     """The CUDA-graph sentences: the gain and its host dependence, the kernels, and what the probes showed."""
     c = result["CUDA graph"]
@@ -1693,7 +1702,8 @@ if load_cmp:
     fig.tight_layout()
 
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title The data-loading sentences, from the three interleaved step comparisons, the copy…
 def loader_text(cmp, copy_cmp, waits, tokenise_s, workers):
     """The data-loading sentences, from the three interleaved step comparisons, the copy comparison and the two waits."""
     stall, more, floor = (cmp[(STAGED, W0)], cmp[(W0, WN)], cmp[(STAGED, WN_PIN)])
@@ -1766,7 +1776,7 @@ _ = cleanup.free(globals(), "tok_ds", "probe_ds")
 # - **`zero_grad(set_to_none=True)`**, the default: drops the gradients instead of writing zeros into them
 #   (`set_to_none=False`), which saves a memset per parameter and lets the backward pass allocate afresh; the
 #   baseline of this row is the old setting, the candidate the recommended one;
-# - **TF32**: `torch.backends.cuda.matmul.allow_tf32 = True` runs fp32 matrix products on the tensor cores
+# - **TF32**: `torch.backends.cuda.matmul.allow_tf32 = True` runs fp32 matrix products on the [tensor cores](https://gpu-efficient-training.github.io/book/book/glossary.html#tensor-cores)
 #   with a 10-bit mantissa (compute capability 8.0 and newer; `torch.set_float32_matmul_precision("high")` says
 #   the same). It changes nothing for products that autocast already runs in 16 bits, so it is measured on an fp32
 #   step at batch 8; the two sides flip the switch before each sample, and it is restored afterwards;
@@ -1871,7 +1881,8 @@ else:
     print(f"skipped on CPU: each comparison ran {ROUNDS} rounds to check the code; their speed-ups are GPU matters")
 
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title The free-wins sentences
 def wins_text(cmp):
     """The free-wins sentences: each row's ratio and interval, and what decides it (the GPU, or the reader's CPU)."""
     text = []
@@ -1933,7 +1944,8 @@ with pd.option_context("display.max_columns", None, "display.max_colwidth", 60):
     display(closing)
 
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title The closing paragraph
 def closing_text(table, compiled_info):
     """The closing paragraph: how many comparisons went which way, which depend on the host, compile costs, skips."""
     by = {v: table[table["verdict"] == v] for v in ("faster", timing.NO_DIFFERENCE, "slower")}
@@ -2076,7 +2088,7 @@ if findings:
 # ## References
 #
 # - Dao et al. (2022), *FlashAttention*; Dao (2024), *FlashAttention-2*; Shah et al. (2024), *FlashAttention-3*;
-#   Korthikanti et al. (2022) for the activation formula. All on the [references page](../book/references.md).
+#   Korthikanti et al. (2022) for the activation formula. All on the [references page](https://gpu-efficient-training.github.io/book/book/references.html).
 # - PyTorch documentation: `torch.nn.functional.scaled_dot_product_attention`, `torch.nn.attention.sdpa_kernel`,
 #   the `torch.compile` tutorials (including regional compilation), *CUDA semantics* (CUDA graphs), and
 #   `torch.utils.data` (workers, pinned memory).

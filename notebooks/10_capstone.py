@@ -18,7 +18,7 @@
 #
 # Every reader of this book eventually asks two questions about their own run: *will my training fit on
 # this GPU*, and *how fast can it go*? The popular tools answer the first one badly. The "four times the
-# model size" rule and `accelerate estimate-memory` leave the activations out, DeepSpeed's estimator counts
+# model size" rule and `accelerate estimate-memory` leave the [activations](https://gpu-efficient-training.github.io/book/book/glossary.html#activations) out, DeepSpeed's estimator counts
 # only the model states, and the transformer-math formulas count the model states and the activations but
 # not the temporaries of the loss and of the optimizer step. None
 # of them, as far as we know, publishes its error against measurements. This chapter puts the book's nine chapters into one
@@ -36,7 +36,7 @@
 #   to (Llama-, Mistral- and Qwen2-shaped models), then on the thirty-five it was corrected on, and how far
 #   four popular estimators are;
 # - how much each speed technique of the book buys, stacked rung by rung, in samples/s, tokens/s, model
-#   FLOP utilisation (MFU), memory and GPU-busy time, and where the time goes once the ladder ends;
+#   FLOP utilisation ([MFU](https://gpu-efficient-training.github.io/book/book/glossary.html#mfu)), memory and [GPU-busy](https://gpu-efficient-training.github.io/book/book/glossary.html#gpu-busy) time, and where the time goes once the ladder ends;
 # - a checklist that sends an out-of-memory error or a slow step to the chapter that fixes it.
 #
 # **Prerequisites:** chapters 1 to 8; chapter 9 for the fast-path techniques. A CUDA GPU for the
@@ -84,7 +84,7 @@ prof = env.start()  # plot style, number format, run profile; the table below na
 dev = prof.device
 
 # %% [markdown]
-# Before anything touches the GPU we read NVML's *used* memory, so that the CUDA context can be measured
+# Before anything touches the GPU we read [NVML](https://gpu-efficient-training.github.io/book/book/glossary.html#nvml)'s *used* memory, so that the [CUDA context](https://gpu-efficient-training.github.io/book/book/glossary.html#cuda-context) can be measured
 # for the T4 emulation of section 10.4 (chapter 1, section 1.5). Then one matrix product loads cuBLAS, and
 # we note what PyTorch has allocated: the last cell checks that the chapter gives everything back. The
 # chapter's full run is meant to take a few minutes on an H100; a clock started here lets the optional
@@ -125,11 +125,11 @@ T4_BUDGET_GIB = t4.budget_gib if t4 else gpus.GPU_MEMORY_GIB["T4"] - gpus.CONTEX
 # ## 10.1 The planner: predict before you run
 #
 # `helpers.plan` turns a *setup* (a model from the book's registry or any Hugging Face `config.json`, the
-# batch and sequence length, precision, optimizer, accumulation, checkpointing, attention kernel, LoRA or
-# QLoRA, ZeRO stage and world size) into a predicted **peak allocated memory** of one training step. Each
-# term is one the book measured: weights, gradients and optimizer states at their bytes per parameter
+# batch and sequence length, precision, optimizer, accumulation, checkpointing, attention kernel, [LoRA](https://gpu-efficient-training.github.io/book/book/glossary.html#lora) or
+# [QLoRA](https://gpu-efficient-training.github.io/book/book/glossary.html#qlora), [ZeRO](https://gpu-efficient-training.github.io/book/book/glossary.html#zero) stage and world size) into a predicted **[peak allocated](https://gpu-efficient-training.github.io/book/book/glossary.html#peak-allocated-memory) memory** of one training step. Each
+# term is one the book measured: weights, gradients and [optimizer states](https://gpu-efficient-training.github.io/book/book/glossary.html#optimizer-states) at their bytes per parameter
 # (chapters 1, 2 and 5), the activations the backward pass keeps (chapter 1's formula, minus what
-# checkpointing recomputes, chapter 4), autocast's 16-bit copies of the weights (chapter 5), the
+# checkpointing recomputes, chapter 4), [autocast](https://gpu-efficient-training.github.io/book/book/glossary.html#autocast)'s 16-bit copies of the weights (chapter 5), the
 # temporaries of the loss, the optimizer step and checkpointing's recomputation (chapters 1 and 4), adapters
 # and 4-bit weights (chapter 6) and the ZeRO shards (chapter 7). It also says in which phase the peak falls: the
 # forward pass, the backward pass or the optimizer step. Here it is for the 1.3B model, batch 4, 256
@@ -213,7 +213,8 @@ print(f"planner_heldout_median_err_pct = {planner_heldout_median_err_pct:.2f}, "
       f"({heldout_summary['measured']} of {heldout_summary['rows']} held-out rows measured{under_txt})")
 heldout_errors.drop(columns=["why", "status"]).set_index("name")
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (10.2 The planner against measurements)
 display(Markdown(plan.describe_heldout(heldout_errors)))
 
 # %% [markdown]
@@ -221,21 +222,21 @@ display(Markdown(plan.describe_heldout(heldout_errors)))
 #
 # For every setup in `plan.VALIDATION_SETUPS` (both model families;
 # fp32, bf16 and fp16; AdamW, fused AdamW, SGD, Adafactor and 8-bit AdamW; accumulation; checkpointing;
-# eager and SDPA attention; LoRA and QLoRA) the notebook runs a few real training steps and reads the
+# eager and [SDPA](https://gpu-efficient-training.github.io/book/book/glossary.html#sdpa) attention; LoRA and QLoRA) the notebook runs a few real training steps and reads the
 # allocator's peak (`plan.measure`, which frees everything before it returns), and sets the planner's
 # prediction beside it. (ZeRO is planned with chapter 7's formula and not measured here: it needs several
 # processes.) Four other estimators predict the same rows:
 #
 # - **4 × model size**: the Hugging Face model-memory calculator's rule of thumb for training with Adam
-#   ([Hugging Face Accelerate team (2023)](../book/references.md)): four times the weights' bytes in the training dtype;
+#   ([Hugging Face Accelerate team (2023)](https://gpu-efficient-training.github.io/book/book/references.html)): four times the weights' bytes in the training dtype;
 # - **accelerate estimate-memory**: the same tool's command line. For training with Adam it works out four
 #   terms for a batch of one (the weights, the gradients, Adam's states, the optimizer step) and prints the
-#   *largest* of them, not their sum: four times the fp32 weights in fp32, and in mixed precision Adam's
+#   *largest* of them, not their sum: four times the fp32 weights in fp32, and in [mixed precision](https://gpu-efficient-training.github.io/book/book/glossary.html#mixed-precision) Adam's
 #   states alone, twice the fp32 weights. Nothing that grows with the batch is counted;
 # - **ZeRO model states**: the ZeRO paper's 16 bytes per parameter for mixed-precision Adam (2 + 2 + 12),
-#   divided by the world size per stage ([Rajbhandari et al. (2020)](../book/references.md));
-# - **transformer math**: model states plus the activation formula of [Korthikanti et al. (2022)](../book/references.md), as in
-#   EleutherAI's *Transformer Math 101* ([Anthony et al. (2023)](../book/references.md)). The column uses the post's
+#   divided by the world size per stage ([Rajbhandari et al. (2020)](https://gpu-efficient-training.github.io/book/book/references.html));
+# - **transformer math**: model states plus the activation formula of [Korthikanti et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html), as in
+#   EleutherAI's *Transformer Math 101* ([Anthony et al. (2023)](https://gpu-efficient-training.github.io/book/book/references.html)). The column uses the post's
 #   mixed-precision AdamW states (16 bytes per parameter) and its no-recomputation activation formula (16-bit
 #   activations) on every row; the post also gives bytes per parameter for other optimizers and a formula for
 #   fully recomputed activations, which this column does not use.
@@ -330,7 +331,8 @@ ax.set_xlabel("measured peak allocated (GiB)")
 ax.set_ylabel("predicted peak (GiB)")
 fig.tight_layout()
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (In-sample)
 WHAT_IT_COUNTS = {
     "4x": "it counts four times the weights and nothing that grows with the batch",
     "accelerate": "it prints the largest of its terms for a batch of one (weights, gradients, Adam's states, the "
@@ -418,7 +420,8 @@ by_feature = pd.concat(
 by_feature.rename(columns={"mean_error_pct": "mean error (%)", "median_error_pct": "median error (%)",
                            "max_abs_error_pct": "max |error| (%)"})
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (In-sample)
 if measured_ok.sum() >= 3:
     err_ok = feat.loc[measured_ok, "error"]
     threshold = max(1.0, 3 * err_ok.abs().median())  # "clearly more than the rest"
@@ -500,7 +503,7 @@ term_table if len(worst_rows) else print("skipped on CPU: no measured rows" if n
 # ## 10.3 The speed ladder
 #
 # Now the second question: how fast? We start from the setup of the Hugging Face guide *Model training
-# anatomy* ([Hugging Face (2024)](../book/references.md)), written when these were the defaults: fp32
+# anatomy* ([Hugging Face (2024)](https://gpu-efficient-training.github.io/book/book/references.html)), written when these were the defaults: fp32
 # weights and arithmetic, eager attention, batch 4, and an AdamW that steps one parameter at a time
 # (`Trainer`'s `adamw_hf` then; here `torch.optim.AdamW(foreach=False)`, the slowest of PyTorch's three
 # AdamW implementations). Recent transformers versions load models with SDPA attention, and recent `Trainer`
@@ -509,7 +512,7 @@ term_table if len(worst_rows) else print("skipped on CPU: no measured rows" if n
 #
 # 1. the batch (chapter 3): from the guide's to one large enough that the GPU, not the CPU's kernel launches,
 #    sets the step's length; every later rung is judged at this batch, where a change to the GPU's work shows;
-# 2. 16-bit autocast (chapter 5): matrix products on the tensor cores;
+# 2. 16-bit autocast (chapter 5): matrix products on the [tensor cores](https://gpu-efficient-training.github.io/book/book/glossary.html#tensor-cores);
 # 3. SDPA attention (chapter 1): one fused attention kernel, no stored s × s matrix;
 # 4. fused AdamW (chapters 5 and 8): the optimizer step in a few kernels. It comes after the two rungs that
 #    shorten the forward and backward passes: the optimizer step costs the same at any batch, so its share of
@@ -522,7 +525,7 @@ term_table if len(worst_rows) else print("skipped on CPU: no measured rows" if n
 # first rung, the guide's setup at the guide's batch, is timed on its own with `timing.time_it` (warm-up steps,
 # 10 timed ones, the spread, and profiled steps for the GPU-busy fraction). Each later rung is *compared* with
 # the one before it, interleaved in one process (`timing.interleaved`, next cells), with the batch already on the
-# GPU. The order matters: at the guide's batch a step can be host-bound, and there a rung that shrinks the GPU's
+# GPU. The order matters: at the guide's batch a step can be [host-bound](https://gpu-efficient-training.github.io/book/book/glossary.html#host-bound), and there a rung that shrinks the GPU's
 # work may not shorten the step at all; judged at a batch that keeps the GPU busy, each rung shows what it does
 # to the GPU's work. The ladder ends with the fastest recipe *of this ladder*, not the fastest the book can build
 # (CUDA graphs, a fused cross-entropy or other attention backends are not on it). The causal LM trains without
@@ -530,7 +533,7 @@ term_table if len(worst_rows) else print("skipped on CPU: no measured rows" if n
 #
 # **MFU, the one convention of the book.** Model FLOPs per token are 6 × (the parameters of every matrix
 # product, the output projection included, embedding lookups excluded) + 12 · L · h · s for attention
-# (`flops.flops_per_token`; [Chowdhery et al. (2022)](../book/references.md), appendix B), with no credit for recomputation.
+# (`flops.flops_per_token`; [Chowdhery et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html), appendix B), with no credit for recomputation.
 # The attention term counts the full s × s score matrix, as PaLM does, even for the causal 1.3B model, whose
 # fused kernel skips about half of it: the 1.3B's MFU is higher under this convention than under one that
 # counts causal attention at half. The table below also gives MFU under two other conventions (6N alone,
@@ -539,9 +542,9 @@ term_table if len(worst_rows) else print("skipped on CPU: no measured rows" if n
 # **What to expect.** The chapter aims for 10 times the vanilla throughput, and for an MFU of 42% on
 # bert-large and 45% on the 1.3B model: targets of this book, not published results. For scale, the
 # published numbers are for far larger models trained on many accelerators with hand-tuned kernels: PaLM
-# 540B ran at 46.2% MFU on 6,144 TPU v4 chips ([Chowdhery et al. (2022)](../book/references.md)), and
+# 540B ran at 46.2% MFU on 6,144 TPU v4 chips ([Chowdhery et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html)), and
 # Megatron-LM's 530B GPT at 54.2% on 2,240 A100s with selective recomputation
-# ([Korthikanti et al. (2022)](../book/references.md)). In such models the matrix products dwarf everything
+# ([Korthikanti et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html)). In such models the matrix products dwarf everything
 # else. A 0.3B or 1.3B model in plain PyTorch spends a larger share of its step in element-wise kernels,
 # normalisation and the loss, and on an H100 or H200 this share weighs more than on an A100: the datasheet
 # tensor-core peak grew about 3.2 times from the A100 to the H100, the memory bandwidth only about 1.6
@@ -709,7 +712,7 @@ def show_ladder(table):
 # 16-bit autocast, then SDPA attention, then fused AdamW. Rung 5 doubles the batch once more (the largest this
 # ladder tries, not a measured knee: a larger batch, where it fits, may be faster still). Rung 6 compiles each
 # transformer layer and is kept only when it is faster beyond the noise. This is *regional* compilation, as
-# PyTorch's tutorial on it recommends ([PyTorch (2024)](../book/references.md)): the layers are identical, so the
+# PyTorch's tutorial on it recommends ([PyTorch (2024)](https://gpu-efficient-training.github.io/book/book/references.html)): the layers are identical, so the
 # code compiled for one serves all of them, and the compile time is that of one layer rather than of the whole
 # model. Its rounds alternate the same model with compilation on and off (`torch.compiler.set_stance`).
 
@@ -914,7 +917,8 @@ fig.suptitle("the speed ladder: " + ("; ".join(
                 else " (against the measured matmul ceiling: no datasheet peak for this GPU)"))
 fig.tight_layout()
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title A rung's label without its number
 def short(label):
     """A rung's label without its number: ``"2 + bf16 autocast"`` → ``"+ bf16 autocast"``."""
     return label.split(" ", 1)[1]
@@ -1023,7 +1027,8 @@ rest = pd.DataFrame({col: where_time_goes(timed[best]) for col, timed, best in (
     ("bert-large", bert_timed, best_bert), ("1.3B GPT-NeoX", llm_timed, best_llm)) if best})
 rest.rename_axis("% of the step's wall time" if prof.on_gpu else "% of the CPU operators' self time")
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title Sentences from this run's numbers (The 1.3B GPT-NeoX, 2048 tokens)
 if prof.on_gpu and len(rest):
     parts = []
     for col, best, table, timed, notes in (("bert-large", best_bert, bert_table, bert_timed, bert_notes),
@@ -1125,7 +1130,8 @@ elif run_profile.cuda_or_skip("running the recipe needs a GPU (the plan above is
     }, name="value").to_frame()
     display(recipe_table)
 
-# %% tags=["remove-input"]
+# %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
+# @title This GPU's dense 16-bit FLOP/s and bandwidth over a T4's, from helpers.flops' datasheet…
 def t4_fraction():
     """This GPU's dense 16-bit FLOP/s and bandwidth over a T4's, from helpers.flops' datasheet tables."""
     name = torch.cuda.get_device_name()
@@ -1173,22 +1179,22 @@ if recipe_run is not None:
 #
 # | the peak is in ... | because of ... | try, cheapest first | chapter |
 # |---|---|---|---|
-# | every phase | weights, gradients, optimizer states (16 bytes per parameter with AdamW) | 8-bit or factored optimizer states; LoRA, QLoRA; ZeRO/FSDP across GPUs | [5](05_mixed_precision_optimizers.ipynb), [6](06_lora_qlora.ipynb), [7](07_distributed_zero.ipynb) |
-# | the forward or backward pass | activations (grow with batch × sequence) | SDPA attention; a smaller micro-batch with accumulation; checkpointing | [1](01_memory_anatomy.ipynb), [3](03_batch_size_grad_accumulation.ipynb), [4](04_gradient_checkpointing.ipynb) |
-# | the optimizer step | the optimizer's temporaries on top of the gradients | fused or 8-bit AdamW; the optimizer step inside backward (a `register_post_accumulate_grad_hook` per parameter, PyTorch's tutorial), so each gradient is freed as soon as it is used | [5](05_mixed_precision_optimizers.ipynb), [8](08_profiling.ipynb) |
-# | nowhere clear: reserved ≫ allocated | fragmentation, variable shapes | `expandable_segments`; fixed or bucketed lengths | [8](08_profiling.ipynb) |
-# | the loss (language models) | logits of a large vocabulary, and their fp32 gradients | a chunked or fused linear cross-entropy (Liger, Cut Cross-Entropy), or a smaller micro-batch with accumulation | [3](03_batch_size_grad_accumulation.ipynb), [4](04_gradient_checkpointing.ipynb) |
+# | every phase | weights, gradients, optimizer states (16 bytes per parameter with AdamW) | 8-bit or factored optimizer states; LoRA, QLoRA; ZeRO/FSDP across GPUs | [5](https://gpu-efficient-training.github.io/book/notebooks/05_mixed_precision_optimizers.html), [6](https://gpu-efficient-training.github.io/book/notebooks/06_lora_qlora.html), [7](https://gpu-efficient-training.github.io/book/notebooks/07_distributed_zero.html) |
+# | the forward or backward pass | activations (grow with batch × sequence) | SDPA attention; a smaller [micro-batch](https://gpu-efficient-training.github.io/book/book/glossary.html#micro-batch) with accumulation; checkpointing | [1](https://gpu-efficient-training.github.io/book/notebooks/01_memory_anatomy.html), [3](https://gpu-efficient-training.github.io/book/notebooks/03_batch_size_grad_accumulation.html), [4](https://gpu-efficient-training.github.io/book/notebooks/04_gradient_checkpointing.html) |
+# | the optimizer step | the optimizer's temporaries on top of the gradients | fused or 8-bit AdamW; the optimizer step inside backward (a `register_post_accumulate_grad_hook` per parameter, PyTorch's tutorial), so each gradient is freed as soon as it is used | [5](https://gpu-efficient-training.github.io/book/notebooks/05_mixed_precision_optimizers.html), [8](https://gpu-efficient-training.github.io/book/notebooks/08_profiling.html) |
+# | nowhere clear: reserved ≫ allocated | fragmentation, variable shapes | `expandable_segments`; fixed or bucketed lengths | [8](https://gpu-efficient-training.github.io/book/notebooks/08_profiling.html) |
+# | the loss (language models) | logits of a large vocabulary, and their fp32 gradients | a chunked or fused linear cross-entropy (Liger, Cut Cross-Entropy), or a smaller micro-batch with accumulation | [3](https://gpu-efficient-training.github.io/book/notebooks/03_batch_size_grad_accumulation.html), [4](https://gpu-efficient-training.github.io/book/notebooks/04_gradient_checkpointing.html) |
 #
 # **Slow?** Time it properly first (≥ 10 steps, the spread), then read the GPU-busy fraction:
 #
 # | GPU busy | the step is ... | try | chapter |
 # |---|---|---|---|
-# | low, host enqueue ≈ step | host-bound | a larger batch; fused optimizer; CUDA graphs or `torch.compile` | [3](03_batch_size_grad_accumulation.ipynb), [8](08_profiling.ipynb), [9](09_fast_path.ipynb) |
-# | low, host idle too | waiting (data loading, synchronisations) | more loader workers, pinned memory; no `.item()` in the loop | [8](08_profiling.ipynb), [9](09_fast_path.ipynb) |
-# | high, element-wise and optimizer rows large | memory-bound | fused kernels (fused AdamW, SDPA), `torch.compile` | [5](05_mixed_precision_optimizers.ipynb), [8](08_profiling.ipynb), [9](09_fast_path.ipynb) |
-# | high, GEMM row large | compute-bound | 16-bit autocast; shapes in multiples of 64; no recomputation you do not need | [5](05_mixed_precision_optimizers.ipynb), [4](04_gradient_checkpointing.ipynb) |
+# | low, [host enqueue](https://gpu-efficient-training.github.io/book/book/glossary.html#host-enqueue) ≈ step | host-bound | a larger batch; fused optimizer; CUDA graphs or `torch.compile` | [3](https://gpu-efficient-training.github.io/book/notebooks/03_batch_size_grad_accumulation.html), [8](https://gpu-efficient-training.github.io/book/notebooks/08_profiling.html), [9](https://gpu-efficient-training.github.io/book/notebooks/09_fast_path.html) |
+# | low, host idle too | waiting (data loading, synchronisations) | more loader workers, pinned memory; no `.item()` in the loop | [8](https://gpu-efficient-training.github.io/book/notebooks/08_profiling.html), [9](https://gpu-efficient-training.github.io/book/notebooks/09_fast_path.html) |
+# | high, element-wise and optimizer rows large | memory-bound | fused kernels (fused AdamW, SDPA), `torch.compile` | [5](https://gpu-efficient-training.github.io/book/notebooks/05_mixed_precision_optimizers.html), [8](https://gpu-efficient-training.github.io/book/notebooks/08_profiling.html), [9](https://gpu-efficient-training.github.io/book/notebooks/09_fast_path.html) |
+# | high, GEMM row large | compute-bound | 16-bit autocast; shapes in multiples of 64; no recomputation you do not need | [5](https://gpu-efficient-training.github.io/book/notebooks/05_mixed_precision_optimizers.html), [4](https://gpu-efficient-training.github.io/book/notebooks/04_gradient_checkpointing.html) |
 #
-# The page [Which technique do I need?](../book/which_technique.md) expands both lists with links to the
+# The page [Which technique do I need?](https://gpu-efficient-training.github.io/book/book/which_technique.html) expands both lists with links to the
 # sections.
 #
 # ## Summary
@@ -1262,13 +1268,13 @@ if recipe_run is not None:
 #
 # - Hugging Face, *Model training anatomy* and *Efficient training on a single GPU* (the ladder's starting
 #   point and its rungs); the *Model Memory Calculator* and `accelerate estimate-memory`.
-# - [Rajbhandari et al. (2020)](../book/references.md), *ZeRO*: the model-state formula. [Korthikanti et al. (2022)](../book/references.md): the activation
-#   formula, and a published MFU. [Anthony et al. (2023)](../book/references.md), *Transformer Math 101*.
-# - [Chowdhery et al. (2022)](../book/references.md), *PaLM*, appendix B: the MFU convention and a published MFU. [Dao et al. (2022)](../book/references.md), *FlashAttention*.
-# - [Ansel et al. (2024)](../book/references.md), *PyTorch 2*: `torch.compile`; [PyTorch (2024)](../book/references.md), the tutorial on regional compilation.
-# - [Heo (2024)](../book/references.md), the LLM book's chapter 5: the 1.3B model on a T4.
+# - [Rajbhandari et al. (2020)](https://gpu-efficient-training.github.io/book/book/references.html), *ZeRO*: the model-state formula. [Korthikanti et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html): the activation
+#   formula, and a published MFU. [Anthony et al. (2023)](https://gpu-efficient-training.github.io/book/book/references.html), *Transformer Math 101*.
+# - [Chowdhery et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html), *PaLM*, appendix B: the MFU convention and a published MFU. [Dao et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html), *FlashAttention*.
+# - [Ansel et al. (2024)](https://gpu-efficient-training.github.io/book/book/references.html), *PyTorch 2*: `torch.compile`; [PyTorch (2024)](https://gpu-efficient-training.github.io/book/book/references.html), the tutorial on regional compilation.
+# - [Heo (2024)](https://gpu-efficient-training.github.io/book/book/references.html), the LLM book's chapter 5: the 1.3B model on a T4.
 #
-# All the works the book cites are on the [references page](../book/references.md).
+# All the works the book cites are on the [references page](https://gpu-efficient-training.github.io/book/book/references.html).
 
 # %% [markdown]
 # Every experiment freed what it made. The last cell releases cuBLAS's workspaces (chapter 8 explains why

@@ -102,7 +102,7 @@ MUTANTS = [
     Mutant("F9", "dropped term", "plan._loss_bytes: backward keeps one fp32 logits gradient, not two",
            "bwd = 8 * tv", "bwd = 4 * tv", PLAN),
     Mutant("F10", "threshold", "timing.verdict: host-bound needs host > 0.5 instead of >=",
-           "host_fraction is not None and host_fraction >= 0.5 and", "host_fraction is not None and host_fraction > 0.5 and",
+           "host_fraction is not None and host_fraction >= 0.5 \\", "host_fraction is not None and host_fraction > 0.5 \\",
            TIMING),
     Mutant("F11", "wrong unit", "measure.nvml_used_mib: used / MIB -> / GIB",
            "return pynvml.nvmlDeviceGetMemoryInfo(handle).used / MIB",
