@@ -47,8 +47,7 @@ Exercises
 - ``exercises``   check a reader's numeric answer to an exercise: right, close, or a nudge (never the answer)
 
 A chapter's first cell
-- ``env``         quiet warnings; ``start``: the plot style, the run profile and the environment report every
-                  chapter prints first; Colab detection; NVLink status
+- ``env``         quiet warnings; ``start``: plot style, run profile, the report every chapter prints first; Colab; NVLink
 """
 
 __version__ = "0.1.0"

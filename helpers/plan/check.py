@@ -419,7 +419,7 @@ def heldout_table(rows: Sequence[tuple[dict, Setup, dict]]) -> pd.DataFrame:
 
 
 def heldout_summary(table: pd.DataFrame) -> dict[str, Any]:
-    """Median and max |error|, the share under-predicted and the rows measured, overall and per family.
+    """Median and max absolute error, the share under-predicted and the rows measured, overall and per family.
 
     Values are NaN when no row was measured. Introduced in chapter 10, section 10.2.
     """
@@ -438,7 +438,7 @@ def heldout_summary(table: pd.DataFrame) -> dict[str, Any]:
 def describe_heldout(table: pd.DataFrame, goal: dict[str, float] | None = None) -> str:
     """The chapter's sentences about the held-out rows, right for any outcome (Markdown).
 
-    Says how many rows were measured (and why the others were not), the median and max |error| against
+    Says how many rows were measured (and why the others were not), the median and max absolute error against
     ``goal`` (default ``HELDOUT_GOAL``), the worst row and its side, how many rows were under-predicted,
     the error per family, and any run that ran out of memory.
 
