@@ -60,9 +60,9 @@ if str(ROOT) not in sys.path:  # the workers run this file directly; helpers liv
 import torch  # noqa: E402
 
 from helpers import estimates, launching  # noqa: E402
+from helpers.distributed import ENGINES  # noqa: E402  (the engines wrap_engine builds)
 
 PARTS = ("bandwidth", "training", "comm", "interleaved", "big")
-ENGINES = ("ddp", "zero1", "zero2", "zero3", "fsdp2")
 # For the time estimate only: what a 4x H100 (NVLink 4) machine roughly does.
 ASSUMED_BUSBW_GB_S = {"cuda": 300.0, "cpu": 1.0}
 ASSUMED_LATENCY_S = {"cuda": 1e-4, "cpu": 1e-3}
