@@ -1125,7 +1125,8 @@ if snap is not None:
 #
 # - **Tried to allocate**: the one request that failed, not the total the program needs;
 # - **total capacity ... of which ... is free**: the card as the driver sees it (here the card is much
-#   larger than the cap we set, so the failure is PyTorch's own limit, as it would be on a smaller card);
+#   larger than the cap we set, so the failure is PyTorch's own limit, standing in for what a smaller card's
+#   memory would refuse);
 # - **this process has ... memory in use**: everything this process holds, the [CUDA context](https://gpu-efficient-training.github.io/book/book/glossary.html#cuda-context) included;
 #   **... allowed**: the cap, when one was set with `set_per_process_memory_fraction`;
 # - **allocated by PyTorch**: live tensors (of which some may sit in *private pools*, the memory CUDA
@@ -1169,7 +1170,9 @@ if snap is not None:
 # `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` changes the allocator's strategy: instead of many
 # separately allocated segments, it reserves a large virtual address range per stream and maps physical
 # memory into it as needed, in pages of 20 MiB for large blocks (2 MiB for small ones), so a segment grows by
-# pages and freed pages can be unmapped. It must be set before CUDA starts, so we run the same workload twice
+# pages instead of leaving slivers at the ends of many segments. Freed pages stay mapped (and count as reserved)
+# until the allocator runs out of memory or `empty_cache` is called; then the empty ones are unmapped and can be
+# mapped again where they are needed. It must be set before CUDA starts, so we run the same workload twice
 # in fresh processes (`scripts/alloc_churn.py`, next to this notebook in the book's repository): bert-large,
 # batch 8, a random length between 32 and 512 tokens each step, 40 steps.
 

@@ -21,9 +21,11 @@
 # model size" rule and `accelerate estimate-memory` leave the [activations](https://gpu-efficient-training.github.io/book/book/glossary.html#activations) out, DeepSpeed's estimator counts
 # only the model states, and the transformer-math formulas count the model states and the activations but
 # not the temporaries of the loss and of the optimizer step. None
-# of them, as far as we know, publishes its error against measurements. This chapter puts the book's nine chapters into one
+# of them, as far as we know, publishes its error against measured training steps (accelerate's documentation
+# checks its estimate for loading a model only). This chapter puts the book's nine chapters into one
 # tool, a **memory planner** that predicts the peak of a training step term by term, and then does what
-# the others do not: it measures every prediction on the GPU and publishes the error. The second half
+# the others do not: it measures its predictions on the GPU, first on setups it was never fitted to, and
+# publishes the error. The second half
 # climbs a **speed ladder**, one measured rung at a time, from the Hugging Face guide's plain setup to
 # the fastest recipe of this ladder, on bert-large and on the 1.3B GPT-NeoX model, and ends with a
 # recipe for fine-tuning the 1.3B model on Colab's free T4.
@@ -127,7 +129,9 @@ T4_BUDGET_GIB = t4.budget_gib if t4 else gpus.GPU_MEMORY_GIB["T4"] - gpus.CONTEX
 # `helpers.plan` turns a *setup* (a model from the book's registry or any Hugging Face `config.json`, the
 # batch and sequence length, precision, optimizer, accumulation, checkpointing, attention kernel, [LoRA](https://gpu-efficient-training.github.io/book/book/glossary.html#lora) or
 # [QLoRA](https://gpu-efficient-training.github.io/book/book/glossary.html#qlora), [ZeRO](https://gpu-efficient-training.github.io/book/book/glossary.html#zero) stage and world size) into a predicted **[peak allocated](https://gpu-efficient-training.github.io/book/book/glossary.html#peak-allocated-memory) memory** of one training step. Each
-# term is one the book measured: weights, gradients and [optimizer states](https://gpu-efficient-training.github.io/book/book/glossary.html#optimizer-states) at their bytes per parameter
+# term is counted exactly on a CPU (bytes per parameter; the tensors autograd saves, counted on small models of
+# each family) and, for BERT and GPT-NeoX, checked against the GPU measurements of the chapters named here
+# (the ZeRO shards are chapter 7's formula, not a measurement): weights, gradients and [optimizer states](https://gpu-efficient-training.github.io/book/book/glossary.html#optimizer-states) at their bytes per parameter
 # (chapters 1, 2 and 5), the activations the backward pass keeps (chapter 1's formula, minus what
 # checkpointing recomputes, chapter 4), [autocast](https://gpu-efficient-training.github.io/book/book/glossary.html#autocast)'s 16-bit copies of the weights (chapter 5), the
 # temporaries of the loss, the optimizer step and checkpointing's recomputation (chapters 1 and 4), adapters
@@ -144,8 +148,11 @@ example_plan = plan.predict(example)
 print(example_plan.table().to_string(float_format="{:,.2f}".format, na_rep="—"))
 
 # %% [markdown]
-# The table lists what is alive at the peak (*GiB*) and the full size of each term over the step (*total*),
-# with the chapter that measured it. `explain()` says the same per phase:
+# The table lists what is alive at the peak (*GiB*) and each term's size over the step (*total*), with the
+# chapter that measured it. *Total* counts all the weights, gradients and optimizer states, the activations the
+# forward pass keeps for the backward pass (under checkpointing only the checkpoints) and the largest of the
+# temporaries; so under checkpointing the block being recomputed sits in the peak's activations but not in their
+# total, and a peak value can exceed its total. `explain()` says the same per phase:
 
 # %%
 # NBVAL_CHECK_OUTPUT
@@ -154,7 +161,8 @@ print(example_plan.explain())
 # %% [markdown]
 # The same from a terminal: `python -m helpers.plan --model gpt-neox-1.3b --batch 4 --seq 256 --gpu T4`
 # prints the breakdown, the verdict for the GPU's budget and, when the setup does not fit, the cheapest
-# changes that make it fit, ranked by their predicted cost in time. In a notebook the same command runs
+# changes that make it fit, ranked by a rough time factor taken from the book's measurements (not a prediction
+# of this setup's step time). In a notebook the same command runs
 # through the module's `main`:
 
 # %%
@@ -172,13 +180,15 @@ exit_code = plan.main(["--model", "gpt-neox-1.3b", "--batch", "4", "--seq", "256
 # - **held-out** (`plan.heldout_setups()`, frozen in `helpers/plan/heldout.py` before the planner learned
 #   grouped-query attention, a `use_cache` setting or a reserved-memory margin, and before any of them ran):
 #   19 setups shaped after Llama-3-8B, Llama-3.2-1B, TinyLlama, Mistral-7B and Qwen2.5 (0.5B and 1.5B), built
-#   from their configs with random weights (the 7B/8B shapes keep 2 or 4 of their blocks), families none of
-#   the planner's terms was counted, corrected or fitted on. They cover grouped-query attention, the
+#   from their configs with random weights (the 7B/8B shapes keep 2 or 4 of their blocks), families on which
+#   none of the planner's terms was corrected or fitted: their terms were counted exactly on tiny models on a
+#   CPU, and never checked against a GPU measurement before these rows ran. They cover grouped-query attention, the
 #   generation cache on and off, up to 4096 tokens, peft's standard QLoRA recipe
 #   (`prepare_model_for_kbit_training`), 8-bit, paged 8-bit and Adafactor states, accumulation,
 #   checkpointing and fp16 autocast. The goal, written down before they ran: a median |error| of at most 3%,
 #   a maximum of at most 8%, and at most half of the rows under-predicted. `torch.compile` is not among
-#   them: the planner does not model it (section 10.3 shows it over-predicts a compiled step).
+#   them: the planner does not model it, and would over-predict a compiled step whose peak compilation lowers
+#   (section 10.3's ladder gives the peak of each rung, compiled and not).
 # - **in-sample** (`plan.VALIDATION_SETUPS`): bert-large and the 1.3B GPT-NeoX, the rows the planner's
 #   terms were checked and corrected on.
 #
@@ -381,7 +391,7 @@ else:
 # comes close to the budget, leave a margin of at least the planner's held-out maximum error, plus the
 # allocator's fragmentation (reserved minus allocated, chapter 8), which a peak of *allocated* memory does
 # not include: the command line keeps a stated 5% above the predicted peak before it says "fits"
-# (`--margin-pct` changes it; with `expandable_segments`, chapter 8 measured 4%).
+# (`--margin-pct` changes it; chapter 8, section 8.5, measures that slack with and without `expandable_segments`).
 
 # %% [markdown]
 # **Which term is off?** Each row switches some terms on (eager attention's s × s matrices, checkpointing's
@@ -510,8 +520,10 @@ term_table if len(worst_rows) else print("skipped on CPU: no measured rows" if n
 # versions default to fused AdamW with torch 2.8 or newer: two rungs of this ladder. We add the book's
 # techniques **one at a time, keeping each**, on the same model in the same run:
 #
-# 1. the batch (chapter 3): from the guide's to one large enough that the GPU, not the CPU's kernel launches,
-#    sets the step's length; every later rung is judged at this batch, where a change to the GPU's work shows;
+# 1. the batch (chapter 3): from the guide's to one meant to let the GPU, not the CPU's kernel launches, set
+#    the step's length; every later rung is judged at this batch, where a change to the GPU's work shows. The
+#    GPU-busy column says how far it gets: until fused AdamW replaces the for-loop optimizer, that optimizer's
+#    thousands of launches can still leave the GPU idle for part of the step;
 # 2. 16-bit autocast (chapter 5): matrix products on the [tensor cores](https://gpu-efficient-training.github.io/book/book/glossary.html#tensor-cores);
 # 3. SDPA attention (chapter 1): one fused attention kernel, no stored s × s matrix;
 # 4. fused AdamW (chapters 5 and 8): the optimizer step in a few kernels. It comes after the two rungs that
@@ -526,8 +538,9 @@ term_table if len(worst_rows) else print("skipped on CPU: no measured rows" if n
 # 10 timed ones, the spread, and profiled steps for the GPU-busy fraction). Each later rung is *compared* with
 # the one before it, interleaved in one process (`timing.interleaved`, next cells), with the batch already on the
 # GPU. The order matters: at the guide's batch a step can be [host-bound](https://gpu-efficient-training.github.io/book/book/glossary.html#host-bound), and there a rung that shrinks the GPU's
-# work may not shorten the step at all; judged at a batch that keeps the GPU busy, each rung shows what it does
-# to the GPU's work. The ladder ends with the fastest recipe *of this ladder*, not the fastest the book can build
+# work may not shorten the step at all; judged at a batch meant to keep the GPU busy, each rung shows what it
+# does to the GPU's work (the text under the tables names any rung where one side of the rounds kept the GPU
+# busy less than 90% of its step). The ladder ends with the fastest recipe *of this ladder*, not the fastest the book can build
 # (CUDA graphs, a fused cross-entropy or other attention backends are not on it). The causal LM trains without
 # Hugging Face's generation cache (`use_cache = False`), which a training step never reads (section 10.2).
 #
@@ -707,8 +720,9 @@ def show_ladder(table):
 # %% [markdown]
 # The climb, for one model. Rung 0 is the guide's setup at the guide's batch, timed on its own: the starting
 # point. Rung 1 moves to the *ladder batch* (32 sequences for bert-large, 4 for the 1.3B model, in the full
-# profile), large enough that the GPU, not the CPU's kernel launches, sets the step's length; every later rung is
-# judged there, where a change to the GPU's work shows in the step time. Rungs 2 to 4 change one setting each:
+# profile), chosen so that the GPU's work, not the CPU's kernel launches, makes most of the step; every later
+# rung is judged there, where a change to the GPU's work shows in the step time (the GPU-busy column says how
+# busy each rung kept the GPU). Rungs 2 to 4 change one setting each:
 # 16-bit autocast, then SDPA attention, then fused AdamW. Rung 5 doubles the batch once more (the largest this
 # ladder tries, not a measured knee: a larger batch, where it fits, may be faster still). Rung 6 compiles each
 # transformer layer and is kept only when it is faster beyond the noise. This is *regional* compilation, as
@@ -843,7 +857,8 @@ show_ladder(bert_table)
 # The same ladder on the LLM book's model at its full context. Its vanilla rung runs at the guide's batch of 1;
 # rung 1 moves to batch 4, still in fp32 with eager attention, whose stored s × s attention matrices grow quickly
 # with the batch (chapter 1, section 1.4): the planner puts that setup at the peak printed below (with the
-# generation cache, which the planner always counts and the ladder turns off). On a GPU smaller than the planner's
+# generation cache, which this plan counts, `plan.Setup`'s default being `use_cache=True`, and the ladder turns
+# off). On a GPU smaller than the planner's
 # peak for the lightest setup of any rung (a T4), the climb is skipped with one line that says so.
 
 # %%
@@ -1074,7 +1089,9 @@ else:
 # cheapest suggestion that keeps *full* fine-tuning (every weight trained: the LLM book's setting, so
 # LoRA and QLoRA are listed but not run) on this GPU with the allocator capped at the T4's budget
 # (chapter 1's emulation: the T4's 15 GB less this process's CUDA context, `measure.t4_budget`), and
-# compare the measured peak and throughput with the plan. *Paged* optimizer states are set aside too: they
+# compare the measured peak and throughput with the plan. (The command line's T4 budget in section 10.1 is a
+# little different: it cannot measure a context, so it subtracts a fixed reserve, `gpus.CONTEXT_RESERVE_GIB`.
+# A real T4's context under Colab's CUDA build differs from both.) *Paged* optimizer states are set aside too: they
 # live in CUDA managed memory outside PyTorch's allocator, where the emulated cap cannot check them.
 
 # %%
@@ -1199,14 +1216,15 @@ if recipe_run is not None:
 #
 # ## Summary
 #
-# - A planner that adds up the terms the book measured predicts a training step's peak memory; section
+# - A planner that adds up the terms the book counts and measures predicts a training step's peak memory; section
 #   10.2 publishes its error on held-out setups of three model families it was never fitted to, then on the
 #   in-sample rows, beside four popular estimators that leave out the activations or the temporaries.
-# - Most of a training step's speed comes from a batch large enough to keep the GPU busy and, once it is
-#   busy, from 16-bit autocast. What a rung buys depends on what limits the step when it is added: on a
-#   host-bound step a change to the GPU's work can leave the step as long as it was, so the ladder judges each
-#   rung at a batch that keeps the GPU busy, against the rung before it, in interleaved rounds. Compilation comes
-#   last and is kept only when measured faster.
+# - In this ladder the largest factors were 16-bit autocast and SDPA attention; a larger batch paid where the
+#   guide's batch left the GPU waiting for the CPU (bert-large), hardly where one sequence of 2,048 tokens
+#   already kept it busy (the 1.3B model). What a rung buys depends on what limits the step when it is added: on
+#   a host-bound step a change to the GPU's work can leave the step as long as it was, so the ladder judges each
+#   rung at a batch meant to keep the GPU busy, against the rung before it, in interleaved rounds. Compilation
+#   comes last and is kept only when measured faster.
 # - MFU against the datasheet hides two gaps: the matmul ceiling (what the tensor cores really deliver) and
 #   the time outside the matrix products; the profiler's category table shows the second.
 # - Plan, then measure: the planner says which change makes a run fit, the measurement says whether it did.
@@ -1224,6 +1242,7 @@ if recipe_run is not None:
 # for layer in model.model.layers:        # regional compilation (Llama-style; GPT-NeoX: model.gpt_neox.layers)
 #     layer.compile()
 # for batch in loader:                    # a batch that keeps the GPU busy (chapter 3)
+#     batch = {k: v.to("cuda", non_blocking=True) for k, v in batch.items()}
 #     with torch.autocast("cuda", dtype=torch.bfloat16):
 #         loss = model(**batch).loss
 #     loss.backward()
@@ -1231,8 +1250,11 @@ if recipe_run is not None:
 #     optimizer.zero_grad(set_to_none=True)
 # ```
 #
-# And before the first run: `python -m helpers.plan --model path/to/config.json --batch 8 --seq 1024 --no-cache --gpu T4`
-# (exit status 0: fits with the stated margin, 1: does not fit, 2: bad input).
+# And before the first run, the same recipe for the planner (here for a 24 GB L4; a T4 has no bf16, so plan it
+# with `--precision fp16-autocast`): `python -m helpers.plan --model path/to/config.json --batch 8 --seq 1024
+# --precision bf16-autocast --optimizer adamw-fused --no-cache --gpu L4` (exit status 0: fits with the stated
+# margin, 1: does not fit, 2: bad input). It does not model `torch.compile`, which in section 10.3 lowered the
+# peak or left it unchanged.
 #
 # ## Exercises
 #
@@ -1248,8 +1270,9 @@ if recipe_run is not None:
 #    constant gap is in a fixed term (workspaces, the optimizer's temporaries).</details>
 # 2. **Make the 1.3B recipe faster on the T4.** Ask `plan.suggest` for all the plans that fit and pick the
 #    one with the lowest time cost that keeps full fine-tuning. What does it give up?
-#    <details><summary>Hint</summary>Print every suggestion with its relative time cost; checkpointing costs
-#    about a third more compute (chapter 4), 8-bit states cost little time (chapter 5).</details>
+#    <details><summary>Hint</summary>Print every suggestion with its relative time cost; checkpointing
+#    recomputes the forward pass, about a third more compute and, at small batches, more time than that
+#    (chapter 4); 8-bit states cost little time (chapter 5).</details>
 #    <details><summary>Answer</summary>Every full fine-tuning plan that fits needs 8-bit (or factored)
 #    optimizer states *and* one more saving: micro-batches with accumulation, or checkpointing, which costs
 #    the most time. The micro-batch plan needs paged 8-bit states, which the emulated cap cannot check (section
