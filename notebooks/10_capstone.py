@@ -531,7 +531,7 @@ term_table if len(worst_rows) else print("skipped on CPU: no measured rows" if n
 #    the step, and what fusing it saves, is largest once the rest has become fast (in fp32 at batch 32 it is a
 #    few per cent of bert-large's step, which is too close to the ±3% threshold to give a verdict that holds);
 # 5. a batch twice as large again (chapter 3), the largest the ladder tries;
-# 6. `torch.compile` (chapter 9), kept only if it is faster beyond the noise.
+# 6. `torch.compile` (chapter 9), kept only if it is faster beyond ±3% (its whole interval above 1.03).
 #
 # A padding check (chapter 5: matrix dimensions in multiples of 8) comes with it; it needs no rung here. The
 # first rung, the guide's setup at the guide's batch, is timed on its own with `timing.time_it` (warm-up steps,
@@ -597,7 +597,7 @@ pd.Series({
 # alternating rounds (10 after warm-up) on the same model, and each round gives a ratio of their times, per sample
 # where the batch changes (`timing.per_sample`). The speed-up is the median of those ratios, with its 95% interval;
 # it is "faster" only when the whole interval lies above 1.03, "slower" only when it lies below 1/1.03, else "no
-# difference beyond the noise". The two sides of a round run milliseconds apart, so a host whose speed drifts
+# practical difference" (chapter 8, section 8.1). The two sides of a round run milliseconds apart, so a host whose speed drifts
 # moves both alike. The attention kernel belongs to the model, so each side sets its own before each sample
 # (untimed). A rung that does not fit the GPU becomes a row that says so.
 
@@ -725,7 +725,7 @@ def show_ladder(table):
 # busy each rung kept the GPU). Rungs 2 to 4 change one setting each:
 # 16-bit autocast, then SDPA attention, then fused AdamW. Rung 5 doubles the batch once more (the largest this
 # ladder tries, not a measured knee: a larger batch, where it fits, may be faster still). Rung 6 compiles each
-# transformer layer and is kept only when it is faster beyond the noise. This is *regional* compilation, as
+# transformer layer and is kept only when it is faster beyond ±3%. This is *regional* compilation, as
 # PyTorch's tutorial on it recommends ([PyTorch (2024)](https://gpu-efficient-training.github.io/book/book/references.html)): the layers are identical, so the
 # code compiled for one serves all of them, and the compile time is that of one layer rather than of the whole
 # model. Its rounds alternate the same model with compilation on and off (`torch.compiler.set_stance`).
@@ -1026,8 +1026,9 @@ else:
 # %% [markdown]
 # **Where the rest goes.** The category table of the best rung of each model (shares of the GPU time of the
 # profiled steps, chapter 8's categories), with the GPU's idle time as one more row: what separates the MFU
-# from 100%. Matrix products run below the datasheet peak even when they fill the GPU; the other rows are
-# time in which the tensor cores did no model FLOPs at all.
+# from 100%. Matrix products run below the datasheet peak even when they fill the GPU; attention kernels do
+# model FLOPs too (the convention's 12 · L · h · s term), at a rate of their own; the other rows are time in
+# which the tensor cores did no model FLOPs at all.
 
 # %%
 def where_time_goes(t):
