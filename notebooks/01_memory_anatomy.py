@@ -882,7 +882,7 @@ if prof.on_gpu:
     bwd_kernel_s = fwd_bwd.kernel_s - fwd.kernel_s
     kernel_ratio = bwd_kernel_s / fwd.kernel_s
     if abs(kernel_ratio - 2) <= 0.25:
-        rule_txt = "close to the rule's 2: the rule holds for a model whose time is dominated by matrix products."
+        rule_txt = "close to the rule's 2, which holds for a model whose time is dominated by matrix products."
     else:
         rule_txt = f"{'above' if kernel_ratio > 2 else 'below'} the rule's 2 by more than a quarter."
     display(Markdown(
@@ -893,7 +893,7 @@ if prof.on_gpu:
         f"{fwd_bwd.evidence} for forward and backward together.) "
         "Element-wise operations (dropout, GeLU, layer norm) are bound by memory bandwidth instead, and their "
         "backward pass reads more tensors than their forward pass did; where they weigh more (small hidden sizes, "
-        "long sequences with eager attention) the ratio moves away from 2. Chapter 8 run_profile where the time goes, "
+        "long sequences with eager attention) the ratio moves away from 2. Chapter 8 profiles where the time goes, "
         "operator by operator."
     ))
 else:

@@ -478,7 +478,10 @@ freed = cleanup.free(globals(), "block", "block_x", "plain_grads", "ckpt_grads",
 # function below uses whichever the installed version has, with the non-reentrant checkpoint, and the cell prints
 # which.) We measure the two models of
 # chapter 3 in the sources' setups: bert-large in fp32 at 512 tokens, and the 1.3B GPT-NeoX with fp16 weights,
-# eager attention and 256 tokens. For each batch size, with and without checkpointing: the [peak allocated](https://gpu-efficient-training.github.io/book/book/glossary.html#peak-allocated-memory)
+# eager attention and 256 tokens: bert-large at batches 8 to 32, the 1.3B model at 4 to 32. The 1.3B model's small
+# batches are host-bound on purpose (chapter 3's picture of a host-bound step); bert-large's batch 4 is left out
+# because its checkpointed step sits at the edge (the GPU busy 81% of it in one H100 run, 98% in another), where the
+# host's speed, not checkpointing, would decide the cost. For each batch size, with and without checkpointing: the [peak allocated](https://gpu-efficient-training.github.io/book/book/glossary.html#peak-allocated-memory)
 # memory of a training step and its time, with `time_it` (ten steps after a warm-up step, their spread, the GPU
 # kernel time and the GPU-busy fraction from two profiled steps). What checkpointing costs is then measured with
 # `timing.interleaved` (chapter 8): the plain and the checkpointed step in alternating rounds on the same model and
@@ -546,7 +549,11 @@ def measure_step(name, model, optimizer, batch_size, time_forward, key):
     return row
 
 
-batch_sizes = prof.pick(tiny=[2, 4], full=[4, 8, 16, 32])
+# bert-large from batch 8: at batch 4 its checkpointed step sits where the host starts to matter (two H100 runs kept
+# the GPU busy 81% and 98% of it), so its cost there would be the host's; the 1.3B model's small batches show that
+# host-bound case on purpose.
+batch_sizes = {name: prof.pick(tiny=[2, 4], full=[4, 8, 16, 32] if SETUPS[name]["head"] == "causal-lm" else [8, 16, 32])
+               for name in SETUPS}
 gc_rows, gc_timed, gc_cmp, model_shape = [], {}, {}, {}
 for name in SETUPS:
     model, optimizer = build(name)
@@ -560,12 +567,12 @@ for name in SETUPS:
     del head
     for on in (False, True):
         set_checkpointing(model, on)
-        for bs in batch_sizes:
+        for bs in batch_sizes[name]:
             attempt = batching.try_batch(
                 lambda b, n=name, m=model, o=optimizer, t=not on: measure_step(n, m, o, b, t, (n, b, t)), bs)
             gc_rows.append({"model": name, "checkpointing": on, "batch": bs,
                             **(attempt.value if attempt.fits else {"result": f"out of memory ({attempt.error})"})})
-    for bs in batch_sizes:  # keys: (model, batch, forward timed), and the forward was timed without checkpointing
+    for bs in batch_sizes[name]:  # keys: (model, batch, forward timed), and the forward was timed without checkpointing
         if (name, bs, True) in gc_timed and (name, bs, False) in gc_timed:
             batch = make_batch(name, bs)
             gc_cmp[(name, bs)] = timing.interleaved(
@@ -649,7 +656,7 @@ for ax, name in zip(axes, SETUPS):
     if prof.on_gpu:
         ax.axhline(t4_budget_gib, color="grey", linestyle=":", label="emulated T4 budget")
     ax.set_xscale("log", base=2)
-    ax.set_xticks(batch_sizes, [str(b) for b in batch_sizes])
+    ax.set_xticks(batch_sizes[name], [str(b) for b in batch_sizes[name]])
     ax.set_ylim(bottom=0)
     saved_pct = summary.loc[name, "memory saved (%)"] if prof.on_gpu else None
     ax.set_title(f"{name}, seq {SETUPS[name]['seq_len']}" + (
@@ -1075,13 +1082,9 @@ stack_table["recomputed share of forward FLOPs"] = [MODES[k][2] for k in stack_t
 stack_table
 
 # %%
-def fastest_title(cmps, halves):
-    """The fastest memory-saving mode and, where the two halves are the candidates, the other one if within the noise."""
-    cheapest = max(cmps, key=lambda k: cmps[k].speedup)
-    other = {"recompute attention": "recompute MLP", "recompute MLP": "recompute attention"}.get(cheapest)
-    if other and halves.verdict == timing.NO_DIFFERENCE:
-        return f"fastest of the modes that save memory: {cheapest}, and {other} within the noise of it"
-    return f"fastest of the modes that save memory: {cheapest}"
+def fastest_title(cmps):
+    """The fastest memory-saving mode (the smallest median time against storing everything)."""
+    return f"fastest of the modes that save memory: {max(cmps, key=lambda k: cmps[k].speedup)}"
 
 
 fig, ax = plt.subplots(figsize=(8, 4.6))
@@ -1097,14 +1100,18 @@ ax.set_ylabel(f"{memory_col.replace(' (MiB)', '')} at batch {stack_batch} (MiB)"
 ax.set_ylim(bottom=0)
 fig.legend(loc="lower center", ncol=3, fontsize=8)
 ax.set_title(f"{n_blocks} blocks, hidden {hidden}, {block_seq} tokens: every mode trades time for memory\n"
-             + fastest_title(stack_cmp, cmp_halves), fontsize=9)
+             + fastest_title(stack_cmp), fontsize=9)
 fig.tight_layout(rect=(0, 0.12, 1, 1))
 
 
 # %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
 # @title The attention half against the MLP half
-def halves_sentence(kept, halves, attn_share, mlp_share, time_batch):
-    """The attention half against the MLP half: bytes kept (batch 8) and time (interleaved, the timing batch)."""
+def halves_sentence(kept, halves, attn_share, mlp_share, time_batch, tolerance=0.05):
+    """The attention half against the MLP half: bytes kept (batch 8) and time (interleaved, the timing batch).
+
+    The time ratio is held against the FLOP prediction ``(3 + mlp_share) / (3 + attn_share)``: it agrees when the
+    median ratio lies within ``tolerance`` (5%) of it.
+    """
     text = (f"Recomputing the attention half keeps {kept['recompute attention']:,.0f} MiB for {attn_share:.0%} of the "
             f"forward FLOPs again; recomputing the MLP half keeps {kept['recompute MLP']:,.0f} MiB for {mlp_share:.0%}. ")
     text += ("The MLP half holds more bytes (its 4h-wide intermediate and GeLU input) and has more FLOPs to redo. "
@@ -1118,11 +1125,18 @@ def halves_sentence(kept, halves, attn_share, mlp_share, time_batch):
              f"{predicted:.2f}. " if halves.a.gpu_busy is not None else
              f"The pass that recomputes the MLP half takes {ratio:.2f} times as long as the one that recomputes "
              f"attention (95% interval {lo:.2f}–{hi:.2f}); their FLOPs predict {predicted:.2f}. ")
-    text += {"slower": "Recomputing the MLP half costs more time, as its FLOPs say. ",
-             "faster": "Recomputing the MLP half costs less time, against its FLOPs: attention's kernels do less work "
-                       "per second than the MLP's matrix products. ",
-             timing.NO_DIFFERENCE: "That is no practical difference (within ±3%): the extra FLOPs of the MLP half are "
-                                   "too few, against a whole forward and backward pass, to separate the two. "}[halves.verdict]
+    # Judged against the FLOP prediction, not against "no difference": the two passes differ by the prediction's few
+    # percent, so a ±3% verdict would sit on its own threshold and flip between runs.
+    off = ratio / predicted - 1
+    if abs(off) <= tolerance:
+        text += (f"The measurement is within {tolerance:.0%} of that prediction: the MLP half costs "
+                 f"{'more' if predicted > 1 else 'less'} time by about what its extra FLOPs say. ")
+    elif off < 0:
+        text += ("The MLP half costs less, relative to attention, than its FLOPs predict: attention's kernels do less "
+                 "work per second than the MLP's matrix products. ")
+    else:
+        text += ("The MLP half costs more, relative to attention, than its FLOPs predict: its element-wise work "
+                 "(the GeLU and the 4h-wide tensors it reads and writes) adds time the FLOP count leaves out. ")
     return text
 
 

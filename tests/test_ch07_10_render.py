@@ -103,6 +103,10 @@ def test_ch10_ladder_sentences_every_branch():
     labels, table, timed, notes = _ladder(rng, 0.76, kept=True)
     text = ns["ladder_sentences"]("bert-large", table, timed, notes, labels[6], 35)
     assert "keeps the GPU busy only 76%" in text and "µs each" in text and "it is kept." in text
+    assert "this process had compiled nothing before" in text
+    notes["compile"] = {**notes["compile"], "compiled_before": ["bert-large-uncased"]}
+    again = ns["ladder_sentences"]("x", table, timed, notes, labels[6], 45)
+    assert "this process compiled bert-large-uncased's layers before, and Inductor may reuse" in again
     assert "short of the 10 times" in text  # the products of the interval ends lie below 10
     assert text.count("*+ SDPA attention*") == 2  # once in the rung list, once among the rungs below 90% busy
     assert "7.0 times as many" in text and "timed on its own" in text
@@ -116,3 +120,31 @@ def test_ch10_ladder_sentences_every_branch():
     assert "Both sides of every judged rung" not in text and "Rung by rung" in text
     assert "Rung 1's batch of 32 did not fit this GPU" in text
     assert ns["climb_product"]({}, labels[0]) == (1.0, 1.0, 1.0)
+
+
+def test_ch10_budget_charges_computing_time_only():
+    """Chapter 10's budget counts the charged blocks (nested ones once), not the time between cells."""
+    import ast
+    import contextlib
+    import time
+
+    import re
+
+    lines = (NOTEBOOKS / "10_capstone.py").read_text().split("\n")
+    tree = ast.parse("\n".join(re.sub(r"^(\s*)# %(pip|%).*", r"\1pass", line) for line in lines))
+    wanted = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in ("charged", "seconds_left")]
+    assert len(wanted) == 2
+    ns = {"contextlib": contextlib, "time": time, "CHAPTER_BUDGET_S": 100.0, "spent_s": 0.0, "_charging_since": None}
+    exec(compile(ast.Module(body=wanted, type_ignores=[]), "10_capstone.py", "exec"), ns)  # noqa: S102
+    time.sleep(0.05)  # a reader between cells: not charged
+    assert ns["seconds_left"]() == 100.0
+    with ns["charged"]():
+        time.sleep(0.05)
+        with ns["charged"]():  # nested: counted once, by the outer block
+            time.sleep(0.05)
+        inside = ns["seconds_left"]()
+        assert 99.85 < inside <= 99.9  # the running block counts while it runs
+    assert 0.1 <= ns["spent_s"] < 0.15 and ns["_charging_since"] is None
+    with pytest.raises(RuntimeError), ns["charged"]():
+        raise RuntimeError("a failing experiment is charged too")
+    assert ns["_charging_since"] is None

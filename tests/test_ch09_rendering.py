@@ -26,7 +26,7 @@ from helpers import packing, prose, timing  # noqa: E402
 
 TWIN = Path(__file__).resolve().parents[1] / "notebooks" / "09_fast_path.py"
 FUNCTIONS = ("attention_kernels", "attention_text", "saved_bytes_text", "dtype_text", "packing_text", "compile_lines",
-             "graph_text", "loader_text", "wins_text", "closing_text", "plot_speedups", "note_finding")
+             "graph_text", "loader_text", "wins_text", "closing_text", "plot_speedups", "note_finding", "kernel_verdict")
 
 
 class FakeProfile:
@@ -130,10 +130,28 @@ def test_packing_text(ns, busy):
     cmp = {group: comparison((pad, group), 1.2, a=a, b=timed(250.0, kernel_ms=230.0)),
            pack: comparison((pad, pack), 1.5, a=a, b=timed(200.0, kernel_ms=180.0))}
     text = clean(ns["packing_text"](table, cmp, pad, group, pack))
-    assert "length-grouped, 1.20×, faster than the padded batches" in text
+    # judged by kernel time (300 x busy / 230 ms and / 180 ms), the wall clock's ratio beside it without a verdict word
+    kr_group = 300.0 * busy / 230.0
+    expect_group = "faster" if kr_group >= 1.03 else ("slower" if kr_group <= 1 / 1.03 else timing.NO_DIFFERENCE)
+    assert f"length-grouped: the GPU's own work (kernel time) {kr_group:.2f}× smaller, {expect_group}" in text
+    assert "the wall clock 1.20× (95% interval" in text and "than the padded batches" not in text
     # one sentence whatever the busy fraction (no branch on a threshold the busy number may cross between runs)
     assert f"busy {busy:.0%} of the time, with" in text and "µs of host time" in text and "pays in full" not in text
+    assert "the length-grouped pass 95% and the packed pass 95%" in text
     assert "**memory-efficient** for the padded batches" in text
+
+
+def test_kernel_verdict_and_judged_on(ns):
+    wall_noise = comparison(("padded", "packed"), 1.09, spread=0.15, a=timed(340.0, busy=0.8, kernel_ms=280.0),
+                            b=timed(310.0, busy=0.6, kernel_ms=196.0))
+    assert wall_noise.verdict == timing.NO_DIFFERENCE and ns["kernel_verdict"](wall_noise) == "faster"
+    cpu = timing.Comparison("a", "b", timing.Timed((1.0,) * 10, (1.0,) * 10, None, None, None, "cpu"),
+                            timing.Timed((0.5,) * 10, (0.5,) * 10, None, None, None, "cpu"), (2.0,) * 10, None)
+    assert ns["kernel_verdict"](cpu) == "faster"  # no kernel time on a CPU: the wall-clock verdict
+    ns["findings"].clear()
+    ns["finding_cmps"].clear()
+    ns["note_finding"]("packed", "lm", wall_noise, judged_on="kernel time")
+    assert ns["findings"][-1]["verdict"] == "faster" and ns["findings"][-1]["judged on"] == "kernel time"
 
 
 def cats(element, attention=7.6, gemm=20.8, optimizer=9.8):
@@ -233,7 +251,10 @@ def test_note_finding_closing_text_and_plot(ns):
                                    "compiled (reduce-overhead)": {"note": "skipped: 3 s of the chapter's time budget left"}}}
     text = clean(ns["closing_text"](table, info))
     assert "Of the 3 comparisons, 1 made the work faster" in text and "1 made it slower: for-loop on bert (0.70×)" in text
-    assert "for-loop): there the host's speed" in text and "Not measured in this run" in text and "cold caches" in text
+    assert "(for-loop (bert)): there the host's speed" in text and "Not measured in this run" in text
+    assert "(cold caches)" in text  # a row without its cache state reads as the first compile
+    info["bert-large-uncased"]["compiled (default)"] = {**ROW, "caches": "after x in this process"}
+    assert "s (after x in this process)" in clean(ns["closing_text"](table, info))
     fig, ax = plt.subplots()
     ns["plot_speedups"](ax, dict(zip(["a", "b", "c"], ns["finding_cmps"], strict=True)), "t")
     plt.close(fig)
