@@ -1143,7 +1143,7 @@ display(Markdown(
 #
 #    <details><summary>Answer</summary>
 #
-#    About 11 per column ($4{,}096 \times 0.0027$). So at threshold 3 practically *every* column takes the 16-bit path: the int8 product has almost nothing left to do, the error falls towards what the int8 weights alone cause, and the time rises towards a 16-bit product plus the decomposition's overhead. At 6 (the default) only the 16 outlier columns go to 16 bits ($20 \cdot N(0,1)$ reaches 6 in about three rows of four), and the error stays near the 4-column case, at more 16-bit work. To quantize the outliers you need a threshold above their largest values, which reach 70 to 80 in 4,096 tokens: at 100 nothing is decomposed and the error grows, as it did for threshold 0 with four outlier columns.
+#    About 11 per column ($4{,}096 \times 0.0027$). So at threshold 3 practically *every* column takes the 16-bit path: the int8 product has almost nothing left to do, the error falls towards what the int8 weights alone cause, and the time rises towards a 16-bit product plus the decomposition's overhead. At 6 (the default) only the 16 outlier columns go to 16 bits ($20 \cdot N(0,1)$ reaches 6 in about three rows of four), and the error stays near the 4-column case, at more 16-bit work. To quantize the outliers you need a threshold above their largest values (one column's largest of 4,096 is typically 70 to 80, the largest of all 16 columns near 90): at 100 nothing is decomposed and the error grows, as it did for threshold 0 with four outlier columns.
 #
 #    </details>
 #
