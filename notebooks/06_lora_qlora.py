@@ -357,7 +357,8 @@ if prof.on_gpu:
 # - **LoRA**: the base in bf16 (fp16 without bf16 tensor cores), frozen; fp32 adapters with $r = 8$ on every linear
 #   layer of the 24 blocks (the two attention projections and the MLP's `dense_h_to_4h` and `dense_4h_to_h`), AdamW;
 #   autocast;
-# - **LoRA with the 8-bit optimizer**: the same, with QLoRA's optimizer (the paged 8-bit AdamW of bitsandbytes);
+# - **LoRA with the 8-bit optimizer**: the same, with the paged 8-bit AdamW of bitsandbytes, the optimizer our
+#   QLoRA configuration uses (the QLoRA paper's own runs used its paged AdamW with 32-bit states, section 6.5);
 # - **QLoRA**: the base loaded from the local checkpoint in 4-bit NF4 with double quantization through
 #   `BitsAndBytesConfig`, prepared with peft's `prepare_model_for_kbit_training`, the same adapters and the same
 #   paged 8-bit AdamW; autocast.

@@ -30,7 +30,7 @@
 #   `DistributedDataParallel`, and checked against one process on the whole batch;
 # - how tensor parallelism splits a matrix product by columns and by rows, an MLP block and attention by
 #   heads, and what each split must communicate; how pipeline parallelism leaves GPUs idle (the bubble);
-# - the ZeRO formula for per-GPU memory of model states ([Rajbhandari et al., 2020](https://gpu-efficient-training.github.io/book/book/references.html)), reproducing the
+# - the ZeRO formula for per-GPU memory of model states ([Rajbhandari et al. (2020)](https://gpu-efficient-training.github.io/book/book/references.html)), reproducing the
 #   paper's 7.5B example;
 # - ZeRO for real: the same model trained under [DDP](https://gpu-efficient-training.github.io/book/book/glossary.html#ddp), `ZeroRedundancyOptimizer` (ZeRO-1) and [FSDP](https://gpu-efficient-training.github.io/book/book/glossary.html#fsdp)
 #   (ZeRO-2-like and ZeRO-3), launched with `torchrun`, measured per rank, and compared with the formula;
@@ -187,7 +187,7 @@ else:
 # ## 7.2 Tensor parallelism by hand: splitting the matrix products
 #
 # Data parallelism copies the model. Model parallelism splits it: **tensor parallelism** splits each layer's
-# weight matrices over GPUs ([Shoeybi et al., 2019](https://gpu-efficient-training.github.io/book/book/references.html), Megatron-LM), **pipeline parallelism** gives
+# weight matrices over GPUs ([Shoeybi et al. (2019)](https://gpu-efficient-training.github.io/book/book/references.html), Megatron-LM), **pipeline parallelism** gives
 # each GPU a range of layers. A matrix product $Y = XA$ can be split two ways:
 #
 # - by **columns**: $A = [A_1, A_2]$, so $Y = [XA_1, XA_2]$. Each GPU needs all of $X$ and produces a slice of
@@ -293,12 +293,12 @@ display(Markdown(
 # %% [markdown]
 # Gradient all-reduces can overlap with
 # the rest of the backward pass. That is why tensor parallelism is kept inside one machine, on NVLink, and data
-# parallelism goes between machines ([Narayanan et al., 2021](https://gpu-efficient-training.github.io/book/book/references.html)).
+# parallelism goes between machines ([Narayanan et al. (2021)](https://gpu-efficient-training.github.io/book/book/references.html)).
 #
 # **Pipeline parallelism** gives each of $p$ GPUs a consecutive range of layers (a *stage*). Activations flow
 # forward from stage to stage and gradients flow back: the communication is small, one activation tensor per
 # stage boundary. The cost is idle time. With one batch, stage 2 waits for stage 1's forward, and stage 1 for
-# stage 2's backward. GPipe ([Huang et al., 2019](https://gpu-efficient-training.github.io/book/book/references.html)) cuts the batch into $m$ *micro-batches* that follow
+# stage 2's backward. GPipe ([Huang et al. (2019)](https://gpu-efficient-training.github.io/book/book/references.html)) cuts the batch into $m$ *micro-batches* that follow
 # each other through the pipeline. The schedule below is computed, not measured: each stage runs its tasks in
 # order (all forwards, then all backwards), each as soon as its input is ready, with a backward taking twice
 # as long as a forward (chapter 1).
@@ -368,7 +368,7 @@ display(Markdown(
 # ## 7.3 ZeRO by formula
 #
 # Data parallelism copies everything to every GPU: parameters, gradients and optimizer states, the *model
-# states*. ZeRO ([Rajbhandari et al., 2020](https://gpu-efficient-training.github.io/book/book/references.html), "Zero Redundancy Optimizer") removes the copies in three
+# states*. ZeRO ([Rajbhandari et al. (2020)](https://gpu-efficient-training.github.io/book/book/references.html), "Zero Redundancy Optimizer") removes the copies in three
 # stages: each of the $N_d$ GPUs keeps $1/N_d$ of the optimizer states (stage 1, $P_{os}$), then also of the
 # gradients (stage 2, $P_{os+g}$), then also of the parameters (stage 3, $P_{os+g+p}$), and fetches what it
 # needs when it needs it. With $\Psi$ parameters, mixed precision with Adam keeps fp16 parameters and
@@ -446,7 +446,7 @@ display(Markdown(
 #   the step. It sends DDP's all-reduce *plus* those broadcasts: per rank $2(N-1)/N$ times the gradient
 #   bytes and $(N-1)/N$ times the parameter bytes, about 1.5 times DDP's traffic when both are fp32 (the
 #   paper's ZeRO-1 reduce-scatters the gradients instead and sends no more than DDP).
-# - **FSDP** ([Zhao et al., 2023](https://gpu-efficient-training.github.io/book/book/references.html)), here FSDP2's `fully_shard`, applied to every transformer block and
+# - **FSDP** ([Zhao et al. (2023)](https://gpu-efficient-training.github.io/book/book/references.html)), here FSDP2's `fully_shard`, applied to every transformer block and
 #   then to the whole model: parameters, gradients and optimizer states are sharded *at rest*. A block's
 #   parameters are all-gathered just before it runs and its gradients reduce-scattered right after its
 #   backward. With `reshard_after_forward=True` the gathered parameters are freed after each block's forward
