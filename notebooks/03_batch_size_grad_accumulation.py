@@ -36,7 +36,7 @@
 #   `Trainer`'s `gradient_accumulation_steps` compares with the hand-written loop;
 # - why averaging per-micro-batch losses is wrong for sequences of different lengths, and the fix.
 #
-# **Prerequisites:** chapter 1 (the four memory numbers, activations, the emulated T4). The
+# **Prerequisites:** chapter 1 (the four memory numbers, activations, the [emulated T4](https://gpu-efficient-training.github.io/book/book/glossary.html#emulated-t4)). The
 # [setup page](https://gpu-efficient-training.github.io/book/book/setup.html) explains the run profiles. Sentences that quote numbers are written by the
 # notebook from its own run, so on your machine they describe your run (the first output names the GPU).
 
@@ -111,7 +111,7 @@ if run_profile.cuda_or_skip("emulating a T4 needs a GPU"):
 #
 # Two models, each with the setup of the source it comes from: `bert-large-uncased` for classification in
 # fp32 at 512 tokens, as in the Hugging Face guide, and the GPT-NeoX shape of `polyglot-ko-1.3b` as a causal
-# language model with fp16 weights and eager attention at 256 tokens, as in the LLM book (chapter 1 showed
+# language model with fp16 weights and [eager attention](https://gpu-efficient-training.github.io/book/book/glossary.html#eager-attention) at 256 tokens, as in the LLM book (chapter 1 showed
 # that pure fp16 AdamW breaks training; for memory and time it is the LLM book's setup, so we keep it). The data
 # are random token ids: memory and time do not depend on them.
 #
@@ -308,8 +308,17 @@ else:
 
 # %% [markdown]
 # Now what the memory buys. The figure labels each point with the [GPU-busy](https://gpu-efficient-training.github.io/book/book/glossary.html#gpu-busy) fraction that `time_it` measured.
+
+# %% [markdown]
+# A step is *[host-bound](https://gpu-efficient-training.github.io/book/book/glossary.html#host-bound)* when the CPU needs longer to issue its kernels than the GPU needs to run them:
+# Python, the dispatcher and a few thousand kernel launches per step set the time, and a larger batch makes
+# each kernel longer without adding launches. That is why the step time can stay flat while the batch grows,
+# and why throughput then grows almost in proportion. Once the GPU is busy nearly all the time, more samples
+# per step cost proportionally more time and throughput flattens. Chapter 8 profiles this regime in detail.
+# Below the flat part, gradient accumulation cannot help either: it runs the small batch's kernels several
+# times, as section 3.4 shows.
 #
-# How to read the sentences under the figure: *host enqueue* includes the CPU's waiting for the GPU, so where it
+# How to read the sentences under the figure: *[host enqueue](https://gpu-efficient-training.github.io/book/book/glossary.html#host-enqueue)* includes the CPU's waiting for the GPU, so where it
 # grows with the batch although the number of operations per step does not, that growth is waiting, not issuing;
 # where the GPU is busy most of the time, it is the GPU-busy fraction that decides the verdict. "95% of the best"
 # is measured against the largest batch the sweep ran.
@@ -401,15 +410,6 @@ if prof.on_gpu:
     display(Markdown("\n".join(lines)))
 else:
     print("skipped on CPU: GPU-busy and host enqueue time need a GPU, and a CPU's throughput says nothing about a GPU's")
-
-# %% [markdown]
-# A step is *[host-bound](https://gpu-efficient-training.github.io/book/book/glossary.html#host-bound)* when the CPU needs longer to issue its kernels than the GPU needs to run them:
-# Python, the dispatcher and a few thousand kernel launches per step set the time, and a larger batch makes
-# each kernel longer without adding launches. That is why the step time can stay flat while the batch grows,
-# and why throughput then grows almost in proportion. Once the GPU is busy nearly all the time, more samples
-# per step cost proportionally more time and throughput flattens. Chapter 8 profiles this regime in detail.
-# Below the flat part, gradient accumulation cannot help either: it runs the small batch's kernels several
-# times, as section 3.4 shows.
 
 # %% [markdown]
 # ### A picture of host-bound

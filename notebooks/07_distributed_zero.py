@@ -18,7 +18,7 @@
 #
 # Chapter 1 counted 16 bytes per parameter for training in fp32 with AdamW: weights, gradients and two
 # [optimizer states](https://gpu-efficient-training.github.io/book/book/glossary.html#optimizer-states). For the 1.33-billion-parameter GPT-NeoX of this book that is $16 \times 1.33 \times 10^9$
-# bytes, about 20 GiB, before a single activation, more than a T4 holds, and the 7.5-billion-parameter model of
+# bytes, about 20 GiB, before a single [activation](https://gpu-efficient-training.github.io/book/book/glossary.html#activations), more than a T4 holds, and the 7.5-billion-parameter model of
 # the [ZeRO](https://gpu-efficient-training.github.io/book/book/glossary.html#zero) paper needs $16 \times 7.5 \times 10^9$ bytes = 120 GB in [mixed precision](https://gpu-efficient-training.github.io/book/book/glossary.html#mixed-precision).
 # When the model states no longer fit one GPU, or when one GPU is too slow, training is split over several.
 # This chapter runs the ways of splitting it, with PyTorch's own engines, on two GPUs, and holds each against
@@ -26,10 +26,10 @@
 #
 # **What you will learn**
 #
-# - what data parallelism does to gradients, written as a manual all-reduce and then with
+# - what [data parallelism](https://gpu-efficient-training.github.io/book/book/glossary.html#data-parallelism) does to gradients, written as a manual [all-reduce](https://gpu-efficient-training.github.io/book/book/glossary.html#all-reduce) and then with
 #   `DistributedDataParallel`, and checked against one process on the whole batch;
-# - how tensor parallelism splits a matrix product by columns and by rows, an MLP block and attention by
-#   heads, and what each split must communicate; how pipeline parallelism leaves GPUs idle (the bubble);
+# - how [tensor parallelism](https://gpu-efficient-training.github.io/book/book/glossary.html#tensor-parallelism) splits a matrix product by columns and by rows, an MLP block and attention by
+#   heads, and what each split must communicate; how [pipeline parallelism](https://gpu-efficient-training.github.io/book/book/glossary.html#pipeline-parallelism) leaves GPUs idle (the bubble);
 # - the ZeRO formula for per-GPU memory of model states ([Rajbhandari et al. (2020)](https://gpu-efficient-training.github.io/book/book/references.html)), reproducing the
 #   paper's 7.5B example;
 # - ZeRO for real: the same model trained under [DDP](https://gpu-efficient-training.github.io/book/book/glossary.html#ddp), `ZeroRedundancyOptimizer` (ZeRO-1) and [FSDP](https://gpu-efficient-training.github.io/book/book/glossary.html#fsdp)
@@ -40,7 +40,7 @@
 #   each engine's bytes per step, from the formula and from a profiler trace.
 #
 # **Prerequisites:** chapter 1 (the 16 bytes per parameter). The numbers quoted in the text come from the
-# machine in the first output below (two GPUs, NCCL). On a CPU the notebook runs the same scripts as two
+# machine in the first output below (two GPUs, [NCCL](https://gpu-efficient-training.github.io/book/book/glossary.html#nccl)). On a CPU the notebook runs the same scripts as two
 # processes that talk through the `gloo` backend, with the tiny twin of the model, in about a minute. On one
 # GPU the sections that need two say so in one line, and where the GPU is too small for the 1.3B model's
 # fp32 states (a T4's 15 GB), section 7.4 trains the same architecture with fewer transformer blocks and
@@ -298,7 +298,7 @@ display(Markdown(
 # **Pipeline parallelism** gives each of $p$ GPUs a consecutive range of layers (a *stage*). Activations flow
 # forward from stage to stage and gradients flow back: the communication is small, one activation tensor per
 # stage boundary. The cost is idle time. With one batch, stage 2 waits for stage 1's forward, and stage 1 for
-# stage 2's backward. GPipe ([Huang et al. (2019)](https://gpu-efficient-training.github.io/book/book/references.html)) cuts the batch into $m$ *micro-batches* that follow
+# stage 2's backward. GPipe ([Huang et al. (2019)](https://gpu-efficient-training.github.io/book/book/references.html)) cuts the batch into $m$ *[micro-batches](https://gpu-efficient-training.github.io/book/book/glossary.html#micro-batch)* that follow
 # each other through the pipeline. The schedule below is computed, not measured: each stage runs its tasks in
 # order (all forwards, then all backwards), each as soon as its input is ready, with a backward taking twice
 # as long as a forward (chapter 1).
@@ -652,7 +652,7 @@ else:
 # %% [markdown]
 # **Scaling from 1 to 2 GPUs.** Each rank trains the same number of sequences per step, so two GPUs train
 # twice the samples of one in each step, and the throughput ratio is $2 \times t_1 / t_2$ for step times $t_1$
-# on one GPU and $t_2$ on two; the *scaling efficiency* is that ratio over 2, $t_1 / t_2$. The two step times come
+# on one GPU and $t_2$ on two; the *[scaling efficiency](https://gpu-efficient-training.github.io/book/book/glossary.html#scaling-efficiency)* is that ratio over 2, $t_1 / t_2$. The two step times come
 # from **separate launches** (one `torchrun` with one process, then one with two), so they cannot be interleaved
 # as chapter 8 compares two steps in one process. `timing.unpaired` takes the ratio of the two medians, with an
 # interval from each median's own 97.5% interval (order statistics over the launch's timed steps; together at
@@ -804,7 +804,7 @@ print("DeepSpeed is installed, but this chapter runs only the FSDP config" if de
 # pipeline stages and data parallelism (with ZeRO) span machines. ZeRO-3 trades memory for traffic (1.5
 # times DDP's), and so does PyTorch's ZeRO-1 (DDP's all-reduce plus the parameters' broadcast); across a slow
 # network, ZeRO-2 (DDP's bytes), a ZeRO-1 that reduce-scatters the gradients as the paper describes, or FSDP's
-# hybrid sharding (shard within a machine, replicate across machines) may train faster.
+# hybrid [sharding](https://gpu-efficient-training.github.io/book/book/glossary.html#sharding) (shard within a machine, replicate across machines) may train faster.
 #
 # The script itself does not change. `torchrun` is started once on every machine, with the number of
 # machines, this machine's index and one address where they all meet:
