@@ -1011,7 +1011,7 @@ else:
 #
 #    <details><summary>Answer</summary>
 #
-#    Most likely not. At $s = 256$, 16 heads and batch 16, SDPA with a fused kernel saves about 2 GiB over 24 layers ($5 a s^2 b$ bytes per layer), but that is not enough. Batch 16 failed in the *second* forward pass, where the gradients are gone (`zero_grad()` set them to `None`) and the weights and AdamW's two states hold 7.4 GiB (2 + 4 bytes per parameter). The $34\,sbh$ part adds 6.4 GiB: 13.8 GiB, just under the allocator's emulated budget that section 1.5 printed (the T4's 14.75 GiB minus this process's CUDA context). What tips it over are the logits and the loss: $16 \times 256 \times 30{,}080$ values, 0.23 GiB in fp16 and twice that again for each fp32 copy the loss makes. Gradient checkpointing (chapter 4) is what makes batch 16 fit.
+#    Most likely not, but only just. At $s = 256$, 16 heads and batch 16, SDPA with a fused kernel saves about 2 GiB over 24 layers ($5 a s^2 b$ bytes per layer). Batch 16 failed in the *second* forward pass, where the gradients are gone (`zero_grad()` set them to `None`) and the weights and AdamW's two states hold 7.4 GiB (2 + 4 bytes per parameter). The $34\,sbh$ part adds 6.4 GiB: 13.8 GiB against the allocator's emulated budget of about 14.0 GiB that section 1.5 printed (the T4's 14.75 GiB minus this process's CUDA context), before the logits ($16 \times 256 \times 30{,}080$ values: 0.23 GiB in fp16, twice that for each fp32 copy the loss makes) and before the backward pass's first gradients. Too close to call by arithmetic: run it. Gradient checkpointing (chapter 4) is what makes batch 16 fit with room to spare.
 #
 #    </details>
 #
