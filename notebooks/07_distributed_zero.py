@@ -1163,20 +1163,20 @@ pd.DataFrame(summary).T
 #
 #    </details>
 #
-# 2. Add `--bf16` to `train_args` (bf16 autocast, fp32 weights). The model states do not change; the peaks do.
+# 2. Add `--bf16` to `train_args` (bf16 autocast, fp32 weights). The model states do not change; do the peaks?
 #    Chapter 1 found that autocast keeps a 16-bit copy of every weight until backward: how many GiB is that copy
 #    for the 1.3B model, and how does it behave under ZeRO-3, which gathers and frees weights layer by layer?
 #    `from helpers import exercises; exercises.check("7.2", your_gib)`
 #
 #    <details><summary>Hint</summary>
 #
-#    Autocast keeps its 16-bit copies of the weights in a cache until the autocast region ends; ZeRO-3 gathers each layer's weights and frees them after use.
+#    Chapter 1 counted those copies with `SavedTensorMeter`: they are tensors *saved for backward* (each linear layer keeps the 16-bit weight it multiplied with), not only entries of autocast's cache. ZeRO-3 gathers each layer's fp32 weights and frees them after use; ask whether it can free a copy that autocast made of them.
 #
 #    </details>
 #
 #    <details><summary>Answer</summary>
 #
-#    The states do not change; under DDP, ZeRO-1 and ZeRO-2 the peak grows by about $2\Psi$ bytes of bf16 copies. Under ZeRO-3 it depends on whether the cache keeps the copies of gathered weights after FSDP frees them: if it does, ZeRO-3 pays the full $2\Psi$ as well and loses part of its saving. FSDP's own mixed-precision policy (gathering in bf16) avoids the cache.
+#    The copy is $2\Psi$ bytes, 2.48 GiB for the 1.33B model, and it lives from the forward pass to the backward pass. Whether a peak moves depends on where the peak is. DDP's peak here is the optimizer step (19.85 GiB of states plus one fp32 copy of the weights in the multi-tensor step's temporaries, about 24.8 GiB, against 24.88 measured), when the copies are already gone: expect no change there, as chapter 5 found for freed gradients (section 5.3). The sharded engines peak nearer the turn from forward to backward, where the copies add to what is held. Under ZeRO-3 they are whole, not shards: each linear layer saves the bf16 copy of its *gathered* weight for its backward pass, and FSDP frees only its own gathered fp32 parameters, not autocast's copies, so every rank can hold up to all $2\Psi$ of them, as much as its whole parameter shard on two GPUs. FSDP's own mixed-precision policy (`MixedPrecisionPolicy(param_dtype=torch.bfloat16)`) avoids it: it gathers the weights in bf16, no extra copy is made, and the gathered weights are freed after each layer and gathered again for its backward.
 #
 #    </details>
 #
