@@ -130,7 +130,7 @@ else:
 # The Hugging Face guide (*Model training anatomy*) trains this model on 512 random sequences of 512
 # tokens, batch size 4, one epoch, no optimisation at all, and reports time, samples per second and NVML
 # memory. We do the same (the tiny profile shrinks the data), twice: with the attention transformers 5 builds
-# BERT with by default, PyTorch's `scaled_dot_product_attention` ([SDPA](https://gpu-efficient-training.github.io/book/book/glossary.html#sdpa)), and with the plain `eager` attention
+# BERT with by default, PyTorch's `scaled_dot_product_attention` ([SDPA](https://gpu-efficient-training.github.io/book/book/glossary.html#sdpa)), and with the plain [`eager` attention](https://gpu-efficient-training.github.io/book/book/glossary.html#eager-attention)
 # that BERT had when the guide was written (transformers added SDPA to BERT in 2024). Between the two runs the
 # first model and its Trainer are freed and the allocator's cache emptied, so each NVML reading is one run's.
 
@@ -272,7 +272,7 @@ if run_profile.cuda_or_skip("the allocator's numbers exist only on a GPU"):
 # 3. **optimizer states**: AdamW keeps two per parameter (the running mean and the running squared mean
 #    of the gradients);
 # 4. **activations**: tensors the forward pass saves because the backward pass needs them;
-# 5. **temporary buffers**: intermediate results that live for one operation and go;
+# 5. **[temporary buffers](https://gpu-efficient-training.github.io/book/book/glossary.html#temporary-buffers)**: intermediate results that live for one operation and go;
 # 6. **functionality-specific memory**: what a particular feature needs on top, for example the copies of
 #    inputs and outputs that beam search keeps while generating text. Plain training, as here, has none.
 #
@@ -407,8 +407,8 @@ if run_profile.cuda_or_skip("the allocator's numbers exist only on a GPU"):
 # `torch.autocast`: the weights stay fp32 and each matrix multiplication casts them to 16 bits on the fly.
 # Where do the two extra bytes live then? We count, with a single short sequence so that activations are
 # negligible, what [autocast](https://gpu-efficient-training.github.io/book/book/glossary.html#autocast) saves for backward, and what an fp32 and a 16-bit model need for inference.
-# The 16-bit type is `gpus.amp_dtype()`: bf16 on a CPU and on GPUs of compute capability 8.0 or newer,
-# fp16 on older ones such as the T4, which has no bf16 [tensor cores](https://gpu-efficient-training.github.io/book/book/glossary.html#tensor-cores).
+# The 16-bit type is `gpus.amp_dtype()`: [bf16](https://gpu-efficient-training.github.io/book/book/glossary.html#bf16) on a CPU and on GPUs of [compute capability](https://gpu-efficient-training.github.io/book/book/glossary.html#compute-capability) 8.0 or newer,
+# [fp16](https://gpu-efficient-training.github.io/book/book/glossary.html#fp16) on older ones such as the T4, which has no bf16 [tensor cores](https://gpu-efficient-training.github.io/book/book/glossary.html#tensor-cores).
 
 # %%
 autocast_device = "cuda" if prof.on_gpu else "cpu"
@@ -496,7 +496,7 @@ if prof.on_gpu:
 # for sequence length $s$, batch size $b$, hidden size $h$ and $a$ attention heads. The $34\,sbh$ part is
 # linear in everything: the inputs of every linear layer, the GeLU input, layer norms, dropout masks.
 # The $5\,a s^2 b$ part is the attention matrix: softmax output, its dropout mask and dropout output, all
-# $s \times s$ per head. A fused attention kernel (FlashAttention, or the memory-efficient kernel, two of the
+# $s \times s$ per head. A fused attention kernel ([FlashAttention](https://gpu-efficient-training.github.io/book/book/glossary.html#flashattention), or the memory-efficient kernel, two of the
 # backends of PyTorch's SDPA) never stores that matrix, which leaves $34\,sbh$. SDPA does not always get a
 # fused kernel: where none supports the inputs (for example bf16 on a GPU below compute capability 8.0, such
 # as the T4) it falls back to its *math* backend, which computes and stores the $s \times s$ matrix like
@@ -853,7 +853,7 @@ else:
 # A linear layer's backward pass computes two products (the gradient with respect to the input and the one
 # with respect to the weight) where the forward pass computes one, so the backward pass should take about
 # twice as long. We time bert-large at batch 4, fp32, with `timing.time_it` (chapter 8 explains it): three
-# warm-up calls, then ten timed calls with the device synchronised, reported as the median with its
+# [warm-up](https://gpu-efficient-training.github.io/book/book/glossary.html#warm-up) calls, then ten timed calls with the device synchronised, reported as the median with its
 # interquartile range (IQR) and, on a GPU, the share of the time some kernel was running ([GPU-busy](https://gpu-efficient-training.github.io/book/book/glossary.html#gpu-busy)) and the
 # kernels' own time from a few profiled calls. The backward pass is the difference of the two. The rule is about
 # the GPU's arithmetic, so we test it on kernel time, which the host's speed at launching kernels does not enter,
@@ -1011,7 +1011,7 @@ else:
 #
 #    <details><summary>Answer</summary>
 #
-#    Most likely not. At $s = 256$, 16 heads and batch 16, SDPA with a fused kernel saves about 2 GiB over 24 layers ($5 a s^2 b$ bytes per layer), but the $34\,sbh$ part (over 6 GiB) plus about 10 GiB of fp16 AdamW model states still exceed the allocator's emulated budget, which section 1.5 printed (the T4's 14.75 GiB minus this process's CUDA context). Gradient checkpointing (chapter 4) is what makes batch 16 fit.
+#    Most likely not, but only just. At $s = 256$, 16 heads and batch 16, SDPA with a fused kernel saves about 2 GiB over 24 layers ($5 a s^2 b$ bytes per layer). Batch 16 failed in the *second* forward pass, where the gradients are gone (`zero_grad()` set them to `None`) and the weights and AdamW's two states hold 7.4 GiB (2 + 4 bytes per parameter). The $34\,sbh$ part adds 6.4 GiB: 13.8 GiB against the allocator's emulated budget of about 14.0 GiB that section 1.5 printed (the T4's 14.75 GiB minus this process's CUDA context), before the logits ($16 \times 256 \times 30{,}080$ values: 0.23 GiB in fp16, twice that for each fp32 copy the loss makes) and before the backward pass's first gradients. Too close to call by arithmetic: run it. Gradient checkpointing (chapter 4) is what makes batch 16 fit with room to spare.
 #
 #    </details>
 #

@@ -20,17 +20,17 @@
 # parameters; this chapter is about the bytes. We look at what 32, 16 and 8 bits can and cannot hold, watch
 # the 16-bit formats fail in front of us, and then write by hand the four int8 quantization schemes that
 # chapter 5 of the Korean LLM book ([Heo (2024)](https://gpu-efficient-training.github.io/book/book/references.html)) describes (absmax, zero-point, block-wise, quantile), measuring the error of each. Finally we use the
-# production versions in bitsandbytes and transformers, LLM.int8() and 4-bit [NF4](https://gpu-efficient-training.github.io/book/book/glossary.html#nf4), on a layer and on the
+# production versions in bitsandbytes and transformers, [LLM.int8()](https://gpu-efficient-training.github.io/book/book/glossary.html#llm-int8) and 4-bit [NF4](https://gpu-efficient-training.github.io/book/book/glossary.html#nf4), on a layer and on the
 # whole 1.3B model, and hold their memory against the expected bytes per parameter.
 #
 # **What you will learn**
 #
-# - the bit layout, range and precision of fp32, tf32, fp16, bf16, fp8 and int8, and how to read them off
+# - the bit layout, range and precision of [fp32](https://gpu-efficient-training.github.io/book/book/glossary.html#fp32), [tf32](https://gpu-efficient-training.github.io/book/book/glossary.html#tf32), [fp16](https://gpu-efficient-training.github.io/book/book/glossary.html#fp16), [bf16](https://gpu-efficient-training.github.io/book/book/glossary.html#bf16), [fp8](https://gpu-efficient-training.github.io/book/book/glossary.html#fp8) and int8, and how to read them off
 #   `torch.finfo`;
 # - why fp16 training needs [loss scaling](https://gpu-efficient-training.github.io/book/book/glossary.html#loss-scaling) and why long sums are accumulated in fp32;
 # - how absmax, zero-point, block-wise and quantile quantization work, what each costs, and how outliers
 #   break the simple ones;
-# - what LLM.int8() and NF4 (with and without double quantization) store, how close they stay to bf16, and
+# - what LLM.int8() and NF4 (with and without [double quantization](https://gpu-efficient-training.github.io/book/book/glossary.html#double-quantization)) store, how close they stay to bf16, and
 #   what they cost in speed.
 #
 # **Prerequisites:** [chapter 1](https://gpu-efficient-training.github.io/book/notebooks/01_memory_anatomy.html) (bytes per parameter, the allocator's numbers).
@@ -1143,7 +1143,7 @@ display(Markdown(
 #
 #    <details><summary>Answer</summary>
 #
-#    About 11 per column ($4{,}096 \times 0.0027$). So at threshold 3 practically *every* column takes the 16-bit path: the int8 product has almost nothing left to do, the error falls towards what the int8 weights alone cause, and the time rises towards a 16-bit product plus the decomposition's overhead. At 6 (the default) only the 16 outlier columns go to 16 bits ($20 \cdot N(0,1)$ reaches 6 in about three rows of four), and the error stays near the 4-column case, at more 16-bit work. To quantize the outliers you need a threshold above their largest values, which reach 70 to 80 in 4,096 tokens: at 100 nothing is decomposed and the error grows, as it did for threshold 0 with four outlier columns.
+#    About 11 per column ($4{,}096 \times 0.0027$). So at threshold 3 practically *every* column takes the 16-bit path: the int8 product has almost nothing left to do, the error falls towards what the int8 weights alone cause, and the time rises towards a 16-bit product plus the decomposition's overhead. At 6 (the default) only the 16 outlier columns go to 16 bits ($20 \cdot N(0,1)$ reaches 6 in about three rows of four), and the error stays near the 4-column case, at more 16-bit work. To quantize the outliers you need a threshold above their largest values (one column's largest of 4,096 is typically 70 to 80, the largest of all 16 columns near 90): at 100 nothing is decomposed and the error grows, as it did for threshold 0 with four outlier columns.
 #
 #    </details>
 #

@@ -36,7 +36,7 @@
 #   `Trainer`'s `gradient_accumulation_steps` compares with the hand-written loop;
 # - why averaging per-micro-batch losses is wrong for sequences of different lengths, and the fix.
 #
-# **Prerequisites:** chapter 1 (the four memory numbers, activations, the emulated T4). The
+# **Prerequisites:** chapter 1 (the four memory numbers, activations, the [emulated T4](https://gpu-efficient-training.github.io/book/book/glossary.html#emulated-t4)). The
 # [setup page](https://gpu-efficient-training.github.io/book/book/setup.html) explains the run profiles. Sentences that quote numbers are written by the
 # notebook from its own run, so on your machine they describe your run (the first output names the GPU).
 
@@ -111,7 +111,7 @@ if run_profile.cuda_or_skip("emulating a T4 needs a GPU"):
 #
 # Two models, each with the setup of the source it comes from: `bert-large-uncased` for classification in
 # fp32 at 512 tokens, as in the Hugging Face guide, and the GPT-NeoX shape of `polyglot-ko-1.3b` as a causal
-# language model with fp16 weights and eager attention at 256 tokens, as in the LLM book (chapter 1 showed
+# language model with fp16 weights and [eager attention](https://gpu-efficient-training.github.io/book/book/glossary.html#eager-attention) at 256 tokens, as in the LLM book (chapter 1 showed
 # that pure fp16 AdamW breaks training; for memory and time it is the LLM book's setup, so we keep it). The data
 # are random token ids: memory and time do not depend on them.
 #
@@ -309,6 +309,20 @@ else:
 # %% [markdown]
 # Now what the memory buys. The figure labels each point with the [GPU-busy](https://gpu-efficient-training.github.io/book/book/glossary.html#gpu-busy) fraction that `time_it` measured.
 
+# %% [markdown]
+# A step is *[host-bound](https://gpu-efficient-training.github.io/book/book/glossary.html#host-bound)* when the CPU needs longer to issue its kernels than the GPU needs to run them:
+# Python, the dispatcher and a few thousand kernel launches per step set the time, and a larger batch makes
+# each kernel longer without adding launches. That is why the step time can stay flat while the batch grows,
+# and why throughput then grows almost in proportion. Once the GPU is busy nearly all the time, more samples
+# per step cost proportionally more time and throughput flattens. Chapter 8 profiles this regime in detail.
+# Below the flat part, gradient accumulation cannot help either: it runs the small batch's kernels several
+# times, as section 3.4 shows.
+#
+# How to read the sentences under the figure: *[host enqueue](https://gpu-efficient-training.github.io/book/book/glossary.html#host-enqueue)* includes the CPU's waiting for the GPU, so where it
+# grows with the batch although the number of operations per step does not, that growth is waiting, not issuing;
+# where the GPU is busy most of the time, it is the GPU-busy fraction that decides the verdict. "95% of the best"
+# is measured against the largest batch the sweep ran.
+
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(11, 4.4))
 for ax, (name, df) in zip(axes, sweep.items()):
@@ -398,22 +412,6 @@ else:
     print("skipped on CPU: GPU-busy and host enqueue time need a GPU, and a CPU's throughput says nothing about a GPU's")
 
 # %% [markdown]
-# How to read the verdicts above. *Host enqueue* includes the CPU's waiting for the GPU, so where it grows with
-# the batch although the number of operations per step does not, that growth is waiting, not issuing; where the GPU
-# is busy most of the time, it is the GPU-busy fraction that decides the verdict. And "flat" is the sweep's stop
-# rule, two doublings in a row that each add less than 5%: "95% of the best" is measured against the largest
-# batch the sweep ran.
-
-# %% [markdown]
-# A step is *[host-bound](https://gpu-efficient-training.github.io/book/book/glossary.html#host-bound)* when the CPU needs longer to issue its kernels than the GPU needs to run them:
-# Python, the dispatcher and a few thousand kernel launches per step set the time, and a larger batch makes
-# each kernel longer without adding launches. That is why the step time can stay flat while the batch grows,
-# and why throughput then grows almost in proportion. Once the GPU is busy nearly all the time, more samples
-# per step cost proportionally more time and throughput flattens. Chapter 8 profiles this regime in detail.
-# Below the flat part, gradient accumulation cannot help either: it runs the small batch's kernels several
-# times, as section 3.4 shows.
-
-# %% [markdown]
 # ### A picture of host-bound
 #
 # The same idea as a picture, the one later chapters point back to. We profile one training step of the 1.3B
@@ -421,7 +419,7 @@ else:
 # the CPU on top (the phases of the step, then every operator the Python code dispatches), the GPU below (every
 # kernel at its true width, coloured by kind), and at the bottom, slice by slice, how much of the time the GPU
 # was busy. At batch 1 the kernels are short and the GPU waits between them for the CPU to launch the next:
-# white gaps. At batch 32 the same launches carry 32 times the work, each kernel runs longer than it takes
+# white gaps. At batch 32 about as many launches carry 32 times the work, each kernel runs longer than it takes
 # the CPU to launch the next one, a queue builds up and the GPU runs back to back. (Profiled steps are slower
 # than timed ones: the profiler slows the CPU, so the gaps are wider here than in the timed step.)
 
@@ -1177,8 +1175,7 @@ closing[[c for c in order if c in closing.columns]]
 #   then free; memory returns to its baseline after every failure.
 # - Gradient accumulation with `loss / N` gives the large batch's gradients to fp32 rounding and the same
 #   training run, at the micro-batch's memory plus one set of gradients (held between micro-batches), and at
-#   about the micro-batch's speed per sample (a little above it, since the optimizer steps once per N
-#   micro-batches), not the large batch's.
+#   about the micro-batch's speed per sample, not the large batch's.
 # - With sequences of different lengths, divide the summed token losses by the tokens of the whole accumulated
 #   batch; the mean of micro-batch means is a different objective (fixed in transformers 4.46).
 #
@@ -1238,7 +1235,9 @@ closing[[c for c in order if c in closing.columns]]
 #    </details>
 #
 # 3. In section 3.3, replace AdamW with `torch.optim.SGD(lr=0.1)` and run the training check with the buggy
-#    loop (no division by $N$). Does the assertion catch it now? Why did AdamW hide it?
+#    loop (no division by $N$). The loss assertion fails with either optimizer, because the loop's reported loss
+#    is then $N$ times the mean. Look at the weights instead (`param_diff`): how far apart are they with SGD, and
+#    with AdamW?
 #
 #    <details><summary>Hint</summary>
 #
@@ -1248,7 +1247,7 @@ closing[[c for c in order if c in closing.columns]]
 #
 #    <details><summary>Answer</summary>
 #
-#    Yes: with SGD the update is $N$ times too large, so gradients and losses leave the large batch's run and the assertion fails. AdamW is nearly invariant to a constant gradient scale (only $\epsilon$ breaks it), which hid the bug.
+#    With SGD the update is $N$ times too large, so the weights leave the large batch's run within a few steps (a large fraction of their norm apart). With AdamW they stay close (small differences, from $\epsilon$ alone): AdamW is nearly invariant to a constant gradient scale, so the missing division hides in the weights and shows only in the reported loss, in gradient clipping and in SGD-like optimizers.
 #
 #    </details>
 #

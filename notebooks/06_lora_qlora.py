@@ -17,7 +17,7 @@
 # # 6. LoRA and QLoRA
 #
 # Full fine-tuning of the 1.3-billion-parameter GPT-NeoX of chapter 1 with fp32 AdamW keeps 16 bytes per parameter
-# of model states: about 20 GiB before a single activation, more than a 15 GB T4 holds. Low-rank adaptation ([LoRA](https://gpu-efficient-training.github.io/book/book/glossary.html#lora),
+# of model states: about 20 GiB before a single [activation](https://gpu-efficient-training.github.io/book/book/glossary.html#activations), more than a 15 GB T4 holds. Low-rank adaptation ([LoRA](https://gpu-efficient-training.github.io/book/book/glossary.html#lora),
 # [Hu et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html)) freezes the model and trains a few million new parameters beside it;
 # [QLoRA](https://gpu-efficient-training.github.io/book/book/glossary.html#qlora) ([Dettmers et al. (2023)](https://gpu-efficient-training.github.io/book/book/references.html)) also stores the frozen model in 4 bits. This chapter
 # writes a LoRA layer by hand, checks it against the `peft` library, and measures what the two methods save, what
@@ -27,7 +27,7 @@
 #
 # - what a LoRA layer computes, and why the adapted model starts out identical to the base model;
 # - how many parameters LoRA trains: $r\,(d_\text{in} + d_\text{out})$ per adapted layer, checked;
-# - how `peft`'s `LoraConfig`, `merge_and_unload`, rank-stabilised scaling and adapter checkpoints relate to the
+# - how `peft`'s `LoraConfig`, `merge_and_unload`, rank-stabilised scaling and [adapter](https://gpu-efficient-training.github.io/book/book/glossary.html#adapter) checkpoints relate to the
 #   hand-written layer;
 # - the peak memory and step time of full fine-tuning, LoRA and QLoRA on the 1.3B model, as a breakdown, and
 #   which of them fit a T4; what the 4-bit base and the 8-bit optimizer each contribute;
@@ -357,8 +357,9 @@ if prof.on_gpu:
 # - **LoRA**: the base in bf16 (fp16 without bf16 tensor cores), frozen; fp32 adapters with $r = 8$ on every linear
 #   layer of the 24 blocks (the two attention projections and the MLP's `dense_h_to_4h` and `dense_4h_to_h`), AdamW;
 #   autocast;
-# - **LoRA with the 8-bit optimizer**: the same, with QLoRA's optimizer (the paged 8-bit AdamW of bitsandbytes);
-# - **QLoRA**: the base loaded from the local checkpoint in 4-bit NF4 with double quantization through
+# - **LoRA with the 8-bit optimizer**: the same, with the paged 8-bit AdamW of bitsandbytes, the optimizer our
+#   QLoRA configuration uses (the QLoRA paper's own runs used its paged AdamW with 32-bit states, section 6.5);
+# - **QLoRA**: the base loaded from the local checkpoint in 4-bit NF4 with [double quantization](https://gpu-efficient-training.github.io/book/book/glossary.html#double-quantization) through
 #   `BitsAndBytesConfig`, prepared with peft's `prepare_model_for_kbit_training`, the same adapters and the same
 #   paged 8-bit AdamW; autocast.
 #

@@ -18,7 +18,7 @@
 #
 # Chapter 1 counted 16 bytes per parameter for training in fp32 with AdamW: weights, gradients and two
 # [optimizer states](https://gpu-efficient-training.github.io/book/book/glossary.html#optimizer-states). For the 1.33-billion-parameter GPT-NeoX of this book that is $16 \times 1.33 \times 10^9$
-# bytes, about 20 GiB, before a single activation, more than a T4 holds, and the 7.5-billion-parameter model of
+# bytes, about 20 GiB, before a single [activation](https://gpu-efficient-training.github.io/book/book/glossary.html#activations), more than a T4 holds, and the 7.5-billion-parameter model of
 # the [ZeRO](https://gpu-efficient-training.github.io/book/book/glossary.html#zero) paper needs $16 \times 7.5 \times 10^9$ bytes = 120 GB in [mixed precision](https://gpu-efficient-training.github.io/book/book/glossary.html#mixed-precision).
 # When the model states no longer fit one GPU, or when one GPU is too slow, training is split over several.
 # This chapter runs the ways of splitting it, with PyTorch's own engines, on two GPUs, and holds each against
@@ -26,11 +26,11 @@
 #
 # **What you will learn**
 #
-# - what data parallelism does to gradients, written as a manual all-reduce and then with
+# - what [data parallelism](https://gpu-efficient-training.github.io/book/book/glossary.html#data-parallelism) does to gradients, written as a manual [all-reduce](https://gpu-efficient-training.github.io/book/book/glossary.html#all-reduce) and then with
 #   `DistributedDataParallel`, and checked against one process on the whole batch;
-# - how tensor parallelism splits a matrix product by columns and by rows, an MLP block and attention by
-#   heads, and what each split must communicate; how pipeline parallelism leaves GPUs idle (the bubble);
-# - the ZeRO formula for per-GPU memory of model states ([Rajbhandari et al., 2020](https://gpu-efficient-training.github.io/book/book/references.html)), reproducing the
+# - how [tensor parallelism](https://gpu-efficient-training.github.io/book/book/glossary.html#tensor-parallelism) splits a matrix product by columns and by rows, an MLP block and attention by
+#   heads, and what each split must communicate; how [pipeline parallelism](https://gpu-efficient-training.github.io/book/book/glossary.html#pipeline-parallelism) leaves GPUs idle (the bubble);
+# - the ZeRO formula for per-GPU memory of model states ([Rajbhandari et al. (2020)](https://gpu-efficient-training.github.io/book/book/references.html)), reproducing the
 #   paper's 7.5B example;
 # - ZeRO for real: the same model trained under [DDP](https://gpu-efficient-training.github.io/book/book/glossary.html#ddp), `ZeroRedundancyOptimizer` (ZeRO-1) and [FSDP](https://gpu-efficient-training.github.io/book/book/glossary.html#fsdp)
 #   (ZeRO-2-like and ZeRO-3), launched with `torchrun`, measured per rank, and compared with the formula;
@@ -40,7 +40,7 @@
 #   each engine's bytes per step, from the formula and from a profiler trace.
 #
 # **Prerequisites:** chapter 1 (the 16 bytes per parameter). The numbers quoted in the text come from the
-# machine in the first output below (two GPUs, NCCL). On a CPU the notebook runs the same scripts as two
+# machine in the first output below (two GPUs, [NCCL](https://gpu-efficient-training.github.io/book/book/glossary.html#nccl)). On a CPU the notebook runs the same scripts as two
 # processes that talk through the `gloo` backend, with the tiny twin of the model, in about a minute. On one
 # GPU the sections that need two say so in one line, and where the GPU is too small for the 1.3B model's
 # fp32 states (a T4's 15 GB), section 7.4 trains the same architecture with fewer transformer blocks and
@@ -187,7 +187,7 @@ else:
 # ## 7.2 Tensor parallelism by hand: splitting the matrix products
 #
 # Data parallelism copies the model. Model parallelism splits it: **tensor parallelism** splits each layer's
-# weight matrices over GPUs ([Shoeybi et al., 2019](https://gpu-efficient-training.github.io/book/book/references.html), Megatron-LM), **pipeline parallelism** gives
+# weight matrices over GPUs ([Shoeybi et al. (2019)](https://gpu-efficient-training.github.io/book/book/references.html), Megatron-LM), **pipeline parallelism** gives
 # each GPU a range of layers. A matrix product $Y = XA$ can be split two ways:
 #
 # - by **columns**: $A = [A_1, A_2]$, so $Y = [XA_1, XA_2]$. Each GPU needs all of $X$ and produces a slice of
@@ -293,12 +293,12 @@ display(Markdown(
 # %% [markdown]
 # Gradient all-reduces can overlap with
 # the rest of the backward pass. That is why tensor parallelism is kept inside one machine, on NVLink, and data
-# parallelism goes between machines ([Narayanan et al., 2021](https://gpu-efficient-training.github.io/book/book/references.html)).
+# parallelism goes between machines ([Narayanan et al. (2021)](https://gpu-efficient-training.github.io/book/book/references.html)).
 #
 # **Pipeline parallelism** gives each of $p$ GPUs a consecutive range of layers (a *stage*). Activations flow
 # forward from stage to stage and gradients flow back: the communication is small, one activation tensor per
 # stage boundary. The cost is idle time. With one batch, stage 2 waits for stage 1's forward, and stage 1 for
-# stage 2's backward. GPipe ([Huang et al., 2019](https://gpu-efficient-training.github.io/book/book/references.html)) cuts the batch into $m$ *micro-batches* that follow
+# stage 2's backward. GPipe ([Huang et al. (2019)](https://gpu-efficient-training.github.io/book/book/references.html)) cuts the batch into $m$ *[micro-batches](https://gpu-efficient-training.github.io/book/book/glossary.html#micro-batch)* that follow
 # each other through the pipeline. The schedule below is computed, not measured: each stage runs its tasks in
 # order (all forwards, then all backwards), each as soon as its input is ready, with a backward taking twice
 # as long as a forward (chapter 1).
@@ -368,7 +368,7 @@ display(Markdown(
 # ## 7.3 ZeRO by formula
 #
 # Data parallelism copies everything to every GPU: parameters, gradients and optimizer states, the *model
-# states*. ZeRO ([Rajbhandari et al., 2020](https://gpu-efficient-training.github.io/book/book/references.html), "Zero Redundancy Optimizer") removes the copies in three
+# states*. ZeRO ([Rajbhandari et al. (2020)](https://gpu-efficient-training.github.io/book/book/references.html), "Zero Redundancy Optimizer") removes the copies in three
 # stages: each of the $N_d$ GPUs keeps $1/N_d$ of the optimizer states (stage 1, $P_{os}$), then also of the
 # gradients (stage 2, $P_{os+g}$), then also of the parameters (stage 3, $P_{os+g+p}$), and fetches what it
 # needs when it needs it. With $\Psi$ parameters, mixed precision with Adam keeps fp16 parameters and
@@ -446,7 +446,7 @@ display(Markdown(
 #   the step. It sends DDP's all-reduce *plus* those broadcasts: per rank $2(N-1)/N$ times the gradient
 #   bytes and $(N-1)/N$ times the parameter bytes, about 1.5 times DDP's traffic when both are fp32 (the
 #   paper's ZeRO-1 reduce-scatters the gradients instead and sends no more than DDP).
-# - **FSDP** ([Zhao et al., 2023](https://gpu-efficient-training.github.io/book/book/references.html)), here FSDP2's `fully_shard`, applied to every transformer block and
+# - **FSDP** ([Zhao et al. (2023)](https://gpu-efficient-training.github.io/book/book/references.html)), here FSDP2's `fully_shard`, applied to every transformer block and
 #   then to the whole model: parameters, gradients and optimizer states are sharded *at rest*. A block's
 #   parameters are all-gathered just before it runs and its gradients reduce-scattered right after its
 #   backward. With `reshard_after_forward=True` the gathered parameters are freed after each block's forward
@@ -652,7 +652,7 @@ else:
 # %% [markdown]
 # **Scaling from 1 to 2 GPUs.** Each rank trains the same number of sequences per step, so two GPUs train
 # twice the samples of one in each step, and the throughput ratio is $2 \times t_1 / t_2$ for step times $t_1$
-# on one GPU and $t_2$ on two; the *scaling efficiency* is that ratio over 2, $t_1 / t_2$. The two step times come
+# on one GPU and $t_2$ on two; the *[scaling efficiency](https://gpu-efficient-training.github.io/book/book/glossary.html#scaling-efficiency)* is that ratio over 2, $t_1 / t_2$. The two step times come
 # from **separate launches** (one `torchrun` with one process, then one with two), so they cannot be interleaved
 # as chapter 8 compares two steps in one process. `timing.unpaired` takes the ratio of the two medians, with an
 # interval from each median's own 97.5% interval (order statistics over the launch's timed steps; together at
@@ -804,7 +804,7 @@ print("DeepSpeed is installed, but this chapter runs only the FSDP config" if de
 # pipeline stages and data parallelism (with ZeRO) span machines. ZeRO-3 trades memory for traffic (1.5
 # times DDP's), and so does PyTorch's ZeRO-1 (DDP's all-reduce plus the parameters' broadcast); across a slow
 # network, ZeRO-2 (DDP's bytes), a ZeRO-1 that reduce-scatters the gradients as the paper describes, or FSDP's
-# hybrid sharding (shard within a machine, replicate across machines) may train faster.
+# hybrid [sharding](https://gpu-efficient-training.github.io/book/book/glossary.html#sharding) (shard within a machine, replicate across machines) may train faster.
 #
 # The script itself does not change. `torchrun` is started once on every machine, with the number of
 # machines, this machine's index and one address where they all meet:
@@ -1163,20 +1163,20 @@ pd.DataFrame(summary).T
 #
 #    </details>
 #
-# 2. Add `--bf16` to `train_args` (bf16 autocast, fp32 weights). The model states do not change; the peaks do.
+# 2. Add `--bf16` to `train_args` (bf16 autocast, fp32 weights). The model states do not change; do the peaks?
 #    Chapter 1 found that autocast keeps a 16-bit copy of every weight until backward: how many GiB is that copy
 #    for the 1.3B model, and how does it behave under ZeRO-3, which gathers and frees weights layer by layer?
 #    `from helpers import exercises; exercises.check("7.2", your_gib)`
 #
 #    <details><summary>Hint</summary>
 #
-#    Autocast keeps its 16-bit copies of the weights in a cache until the autocast region ends; ZeRO-3 gathers each layer's weights and frees them after use.
+#    Chapter 1 counted those copies with `SavedTensorMeter`: they are tensors *saved for backward* (each linear layer keeps the 16-bit weight it multiplied with), not only entries of autocast's cache. ZeRO-3 gathers each layer's fp32 weights and frees them after use; ask whether it can free a copy that autocast made of them.
 #
 #    </details>
 #
 #    <details><summary>Answer</summary>
 #
-#    The states do not change; under DDP, ZeRO-1 and ZeRO-2 the peak grows by about $2\Psi$ bytes of bf16 copies. Under ZeRO-3 it depends on whether the cache keeps the copies of gathered weights after FSDP frees them: if it does, ZeRO-3 pays the full $2\Psi$ as well and loses part of its saving. FSDP's own mixed-precision policy (gathering in bf16) avoids the cache.
+#    The copy is $2\Psi$ bytes, 2.48 GiB for the 1.33B model, and it lives from the forward pass to the backward pass. Whether a peak moves depends on where the peak is. DDP's peak here is the optimizer step (19.85 GiB of states plus one fp32 copy of the weights in the multi-tensor step's temporaries, about 24.8 GiB, against 24.88 measured), when the copies are already gone: expect no change there, as chapter 5 found for freed gradients (section 5.3). The sharded engines peak nearer the turn from forward to backward, where the copies add to what is held. Under ZeRO-3 they are whole, not shards: each linear layer saves the bf16 copy of its *gathered* weight for its backward pass, and FSDP frees only its own gathered fp32 parameters, not autocast's copies, so every rank can hold up to all $2\Psi$ of them, as much as its whole parameter shard on two GPUs. FSDP's own mixed-precision policy (`MixedPrecisionPolicy(param_dtype=torch.bfloat16)`) avoids it: it gathers the weights in bf16, no extra copy is made, and the gathered weights are freed after each layer and gathered again for its backward.
 #
 #    </details>
 #
