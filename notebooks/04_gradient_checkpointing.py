@@ -622,7 +622,7 @@ ckpt = gc_table.xs(True, level="checkpointing")
 summary = pd.DataFrame({
     "peak, plain (GiB)": plain["peak allocated (GiB)"],
     "peak, checkpointed (GiB)": ckpt["peak allocated (GiB)"],
-    "memory saved (%)": 100 * (1 - ckpt["peak allocated (GiB)"] / plain["peak allocated (GiB)"]),
+    "memory saved (%)": (100 * (1 - ckpt["peak allocated (GiB)"] / plain["peak allocated (GiB)"])).round(2) + 0.0,
     "predicted: layer forward / step (%)": 100 * plain["layer forward GPU kernel time (s)"] / plain["step time (s)"],
     "GPU work added (ms)": 1e3 * (ckpt["step GPU kernel time (s)"] - plain["step GPU kernel time (s)"]),
     "layer forward GPU work (ms)": 1e3 * plain["layer forward GPU kernel time (s)"],
@@ -757,7 +757,8 @@ def price_lines(name, part, step_s):
                 f"adds is {r['GPU work added (ms)']:.1f} ms at batch {b}, against "
                 f"{r['layer forward GPU work (ms)']:.1f} ms for the layers' forward pass: ")
         if is_host and matches:
-            text += ("the GPU does about one forward pass more, as theory says, but the step is host-bound (GPU busy "
+            text += (f"the GPU does {r['GPU work added (ms)'] / r['layer forward GPU work (ms)']:.0%} of one more "
+                     "forward pass (theory: one whole pass), but the step is host-bound (GPU busy "
                      f"{r['GPU busy, checkpointed']:.0%} with checkpointing), so what sets its time is the CPU, and the "
                      "recomputation launches every layer's kernels a second time and runs the checkpoint's Python "
                      "hooks for each layer.")
@@ -1285,9 +1286,6 @@ else:
                  "long sequences, where they grow with the sequence. ")
     else:
         text += f"Offloading the layers' inputs saved {pa - pb:.2f} GiB of the peak here. "
-    if 8 in ckpt_peaks.index and abs(ckpt_peaks.loc[8] - pa) >= 0.05:
-        text += (f"(Section 4.3 read {ckpt_peaks.loc[8]:.2f} GiB for the same model and batch with checkpointing; "
-                 f"the gap between the two cells was not traced.)")
     display(Markdown(text))
 
 

@@ -483,7 +483,7 @@ def seeds_text(results, ref, horizon, what):
         gap = max(abs(med[n] - med[ref]) for n in same)
         near = (f"the same median first crossing as {ref}'s" if gap == 0 else
                 f"median first crossings at most {gap:.0f} step{'' if gap == 1 else 's'} from {ref}'s")
-        text += (f"Against {ref}, {prose.listing(same)}: no difference across seeds ({near}; between the seeds of "
+        text += (f"{prose.listing(same)} against {ref}: no difference across seeds ({near}; between the seeds of "
                  f"one {what} the first crossings spread over up to {spread:.0f} steps). ")
     for word in ("later", "earlier"):
         names = [n for n in others if verdicts[n] == word]
@@ -616,7 +616,7 @@ def big_step_text(cmps, half, tokens):
     text = (f"At {tokens:,} tokens the picture changes: the GPU was busy {cb.b.gpu_busy:.0%} of the {half} step "
             f"(*{cb.b.verdict}*) and {cb.a.gpu_busy:.0%} of fp32's; {half} ran at "
             f"{cb.phrase(what='than fp32')}, and on GPU time alone at {cb.gpu_ratio:.1f}×")
-    others = [f"{r} at {c.speedup:.1f}× fp32's speed (95% interval {c.lo:.1f}–{c.hi:.1f}×)" + (
+    others = [f"{r} at {c.speedup:.2f}× fp32's speed (95% interval {c.lo:.2f}–{c.hi:.2f}×)" + (
         " with its `GradScaler`" if r == "fp16" else "") for r, c in cmps.items() if r != half]
     if others:
         text += "; " + prose.listing(others)
@@ -1089,8 +1089,11 @@ def optimizer_speed_text(cmps, n_tensors, margin=0.10):
         x = 1 / c.speedup  # its time over fused AdamW's
         if c.lo > 1 + margin or c.hi < 1 - margin:
             how = f"{x:.2f} times fused AdamW's time (95% interval {1 / c.hi:.2f}–{1 / c.lo:.2f})"
-        else:
+        elif 1 / c.hi >= 1 - margin and 1 / c.lo <= 1 + margin:
             how = f"within {margin:.0%} of fused AdamW's time ({x:.2f} times, 95% interval {1 / c.hi:.2f}–{1 / c.lo:.2f})"
+        else:
+            how = (f"{x:.2f} times fused AdamW's time (95% interval {1 / c.hi:.2f}–{1 / c.lo:.2f}, which this "
+                   f"measurement does not place within or beyond {margin:.0%})")
         part = f"{name} {prose.ms(c.b.wall.median)}, {how}, GPU busy {c.b.gpu_busy:.0%}"
         launch = timing.us_per_launch(c.b)
         if c.b.kernels_per_call and c.b.kernels_per_call >= n_tensors and launch:
@@ -1388,7 +1391,7 @@ if prof.on_gpu:
         cast_big = speed.loc[(f"{big_batch} x {big_seq}", HALF), "copy and cast kernels (ms)"]
         display(Markdown(
             f"Back to section 5.1's realistic step ({big_batch} x {big_seq} tokens, {step_flop / 1e12:.1f} TFLOP by "
-            f"the book's 6*N* + 12*Lds* formula, chapter 4): " + "; ".join(parts) + f". A step made only of matrix products "
+            f"6*N* + 12*Lds* FLOPs per token, the [glossary's FLOPs entry](https://gpu-efficient-training.github.io/book/book/glossary.html#flops)): " + "; ".join(parts) + f". A step made only of matrix products "
             f"running at these ceilings would gain {wide[HALF].max() / wide['fp32'].max():.1f} times from {HALF}, the "
             f"ratio of the ceilings; the step gained {cmp_big[HALF].speedup:.1f} times. Three things keep it "
             f"lower: the step's other GPU work (normalisations, activations, dropout, the casts, the optimizer), "
@@ -1457,10 +1460,15 @@ def padding_text(lh, cmps, tokens, hidden, dtype_name, margin=0.10):
         text += (f"Here the multiple of 64 is {c8_64.speedup:.2f} times as fast as the multiple of 8 (95% interval "
                  f"{c8_64.lo:.2f}–{c8_64.hi:.2f}). ")
         advice = " (64, the common choice, is the one to use):"
-    else:
+    elif c8_64.lo >= 1 / (1 + margin) and c8_64.hi <= 1 + margin:
         text += (f"The multiple of 64 against the multiple of 8: {c8_64.speedup:.2f}× (95% interval "
                  f"{c8_64.lo:.2f}–{c8_64.hi:.2f}), within {margin:.0%} of each other. ")
         advice = " (64 is the common choice; here a multiple of 8 came within a few percent of it):"
+    else:
+        text += (f"The multiple of 64 against the multiple of 8: {c8_64.speedup:.2f}× (95% interval "
+                 f"{c8_64.lo:.2f}–{c8_64.hi:.2f}), which this measurement does not place within or beyond "
+                 f"{margin:.0%}. ")
+        advice = " (64 is the common choice):"
     x32k = lh.loc[32000, "TFLOP/s"] / lh.loc[30528, "TFLOP/s"]
     if x32k < 0.9:
         text += (f"Alignment is not the only effect of the shape: 32,000, a multiple of 64 and of 128, ran at "
@@ -1593,8 +1601,9 @@ if prof.on_gpu:
              f"Peak *reserved* memory fell from {res0:.2f} to {res1:.2f} GiB. ")
     text += (f"The peak *allocated* memory, the tensors themselves, was {ec['peak allocated (GiB)'].iloc[0]:.2f} and "
              f"{ec['peak allocated (GiB)'].iloc[1]:.2f} GiB: emptying the cache cannot shrink what a step needs, only "
-             f"the allocator's slack around it. Reach for it when the reserved memory keeps growing (variable "
-             f"sequence lengths fragment the cache), or when another process must share the GPU.")
+             f"the allocator's slack around it. When the reserved memory keeps growing because variable sequence lengths "
+             f"fragment the cache, chapter 8's `expandable_segments` is the tool; `empty_cache` helps when another "
+             f"process must share the GPU.")
     display(Markdown(text))
 else:
     print("skipped on CPU: the allocator's peaks and the cost of cudaMalloc need a GPU")

@@ -126,9 +126,8 @@ def test_ch10_budget_charges_computing_time_only():
     """Chapter 10's budget counts the charged blocks (nested ones once), not the time between cells."""
     import ast
     import contextlib
-    import time
-
     import re
+    import time
 
     lines = (NOTEBOOKS / "10_capstone.py").read_text().split("\n")
     tree = ast.parse("\n".join(re.sub(r"^(\s*)# %(pip|%).*", r"\1pass", line) for line in lines))
