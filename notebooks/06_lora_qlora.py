@@ -63,6 +63,7 @@ import warnings
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+import matplotlib.ticker as mticker
 import pandas as pd
 import torch
 from torch import nn
@@ -693,7 +694,7 @@ if LORA in ok_rows and QLORA in ok_rows:
         lines.append("- **Paging** is skipped on a CPU: the 8-bit runs used the non-paged optimizer.")
     elif paged.startswith("0 of"):
         paged_peak = max(float(ft.loc[n, "peak allocated"]) for n in (LORA8, QLORA) if n in ok_rows)
-        card_gib = torch.cuda.get_device_properties(0).total_memory / GIB
+        card_gib = float(env.gpu_info()["memory_gib"])  # NVML's total, the number the environment table gives
         lines.append(
             f"- **Paging.** The paged 8-bit AdamW paged nothing here ({paged} state tensors, block scales and "
             f"quantization maps included): bitsandbytes allocates a state in unified memory only for a tensor of at "
@@ -930,9 +931,9 @@ if len(rank_ok) >= 2:
                  "change, only their size. " if verdicts == ["host-bound"] else ". ")
         text += rank_times_text(steps_ms, same, here, R)
     text += ("The LoRA paper found small ranks sufficient for the tasks it studied "
-             "([Hu et al. (2022)](../book/references.md)), with the α/r scaling that section 6.1 discussed; "
+             "([Hu et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html)), with the α/r scaling that section 6.1 discussed; "
              "with rsLoRA's scaling, larger ranks keep improving the fine-tuned model "
-             "([Kalajdzievski (2023)](../book/references.md)), and memory, as measured here, then limits the rank.")
+             "([Kalajdzievski (2023)](https://gpu-efficient-training.github.io/book/book/references.html)), and memory, as measured here, then limits the rank.")
     display(Markdown(text))
 else:
     print("skipped: fewer than two ranks ran")
@@ -963,6 +964,8 @@ for name in learn_names:
 ax.axhline(floor, color="grey", linestyle=":", label="best possible: ln 4")
 ax.set_yscale("log")  # the start near ln(vocabulary) and the tail near ln 4 on one axis
 ax.set_ylim(bottom=0.9 * floor)
+for axis_formatter in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+    axis_formatter(mticker.FuncFormatter(lambda v, _: f"{v:g}"))  # "2, 3, 4" rather than "2x10^0"
 ended = final.dropna()
 loss_title = (f"Markov task from random weights, mean of 5 steps: after {curve_steps} steps the runs end within "
               f"{ended.max() - ended.min():.2f} nats of each other, {ended.min() - floor:.2f} or more above ln 4"
@@ -980,24 +983,26 @@ def loss_txt(name):
     return f"{final[name]:.3f}" if pd.notna(final.get(name, float("nan"))) else "— (out of memory)"
 
 
+def one_seed_losses(d_opt, d_base):
+    """The one-change-at-a-time loss differences (nats) of one seed per configuration, as a sentence."""
+    return (f"One change at a time: the 8-bit optimizer moved the final loss by {d_opt:+.3f} nats, the 4-bit base by "
+            f"{d_base:+.3f}. One seed per configuration cannot separate differences this small from the "
+            "variation between seeds (which the step-to-step noise within one run does not measure; chapter 5 runs "
+            "three seeds per recipe for this reason), so this run neither confirms nor contradicts what QLoRA's authors found for NF4 against 16-bit bases and "
+            "8-bit against 32-bit optimizer states ([Dettmers et al. (2023)]"
+            "(https://gpu-efficient-training.github.io/book/book/references.html)): no loss of quality. ")
+
+
 text = (f"After {curve_steps} steps the mean loss of the last ten steps was "
         + listing(f"{loss_txt(n)} for {n}" for n in learn_names) + f", against the floor of {floor:.3f}. ")
 if all(n in learn for n in (LORA, LORA8, QLORA)):
     d_opt, d_base = final[LORA8] - final[LORA], final[QLORA] - final[LORA8]
-    sem = max(pd.Series(learn[n][-10:]).std() / math.sqrt(10) for n in (LORA, LORA8, QLORA))
-    text += (f"One change at a time: the 8-bit optimizer moved the final loss by {d_opt:+.3f} nats, the 4-bit base by "
-             f"{d_base:+.3f} (standard error of a ten-step mean: about {sem:.3f}; one seed). ")
-    text += ("Both are within twice that noise, consistent with what QLoRA's authors found for NF4 against 16-bit "
-             "bases and 8-bit against 32-bit optimizer states ([Dettmers et al. (2023)](../book/references.md)); this "
-             "run compares losses only, not how far the 4-bit base's outputs are from the 16-bit one's. "
-             if max(abs(d_opt), abs(d_base)) <= 2 * sem else
-             "At least one change moved the loss by more than twice that noise; one seed cannot say whether it would "
-             "again. ")
+    text += one_seed_losses(d_opt, d_base)
     smooth = pd.DataFrame({n: pd.Series(learn[n]).rolling(5, min_periods=1).mean() for n in (LORA, LORA8, QLORA)})
     apart = smooth.max(axis=1) - smooth.min(axis=1)
     if apart.idxmax() + 1 <= curve_steps - 10:
-        text += (f"The three curves are furthest apart at step {apart.idxmax() + 1} ({apart.max():.2f} nats in the "
-                 f"five-step mean), before the last ten steps; a single seed says little about such a difference "
+        text += (f"The three curves are furthest apart at step {apart.idxmax() + 1} ({apart.max():.2f} nats apart "
+                 f"in the five-step mean), before the last ten steps; a single seed says little about such a difference "
                  f"on the way.")
 display(Markdown(text))
 

@@ -930,7 +930,7 @@ if prof.on_gpu and bw is not None:
             bw_at = [bw_name[c] for c in bw_curve if bw_share[c] >= 0.9]
             bw_below = [c for c in bw_curve if bw_share[c] < 0.9]
             text += (f" NCCL's protocol overhead leaves {practical:.0f} GB/s of it, a figure NCCL's maintainer gives for "
-                     f"broadcast-like operations ([Jeaugey (2024)](../book/references.md)); against it, at {big_mib:,.0f} MiB: "
+                     f"broadcast-like operations ([Jeaugey (2024)](https://gpu-efficient-training.github.io/book/book/references.html)); against it, at {big_mib:,.0f} MiB: "
                      + ", ".join(f"{bw_name[c]} {bw_share[c]:.0%}" + (" (still rising)" if bw_rising[c] else "") for c in bw_curve)
                      + ". ")
             if bw_at:

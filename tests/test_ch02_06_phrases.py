@@ -263,3 +263,15 @@ def test_chapters_compare_interleaved_without_notes(stem):
     assert "timing.compare(" not in src and "timing.difference(" not in src
     assert "glue(" not in src
     assert "committed run" not in src.lower()
+
+
+def test_ch06_one_seed_losses_makes_no_noise_inference():
+    text = chapter_functions("06_lora_qlora", "one_seed_losses")["one_seed_losses"](0.014, -0.007)
+    assert "+0.014 nats" in text and "-0.007" in text and "cannot separate" in text
+    assert "twice that noise" not in text and "](../" not in text
+    assert "](https://gpu-efficient-training.github.io/book/book/references.html)" in text
+
+
+def test_ch06_ch07_code_cells_link_absolutely():
+    for stem in ("06_lora_qlora", "07_distributed_zero"):
+        assert "](../" not in (NOTEBOOKS / f"{stem}.py").read_text(), stem
