@@ -55,7 +55,9 @@ def test_ch7_sentences_every_branch(ch7):
     assert "(DDP)" in text and "(ZeRO-3)" in text and "separate launches" in text
     assert "No engine's step on two GPUs is longer" in text and "(P_os" not in text
     growth = ch7["growth_attribution"](samples, overlap)
-    assert growth.count("DDP ") >= 1 and "For DDP the exposed communication lies below" in growth
+    assert "| DDP | " in growth and growth.count("\n| ") == 4 and "| engine |" in growth
+    assert "for DDP the exposed communication lies below" in growth and "](../" not in growth
+    assert len(growth.split("\n\n")[-1].split(". ")) == 1  # the table and one sentence
 
     samples, scale, overlap = _ch7_inputs({st: (0.23, 0.30) for st in estimates.STAGES})
     assert "For all four engines the step on two GPUs is longer" in ch7["scaling_sentence"](scale)
@@ -64,6 +66,10 @@ def test_ch7_sentences_every_branch(ch7):
     text = ch7["scaling_sentence"](scale)
     assert "beyond even the 10% margin" in text and "includes 100%" in text
     assert "lies above the whole range" in ch7["growth_attribution"](samples, overlap)
+    samples, scale, overlap = _ch7_inputs({st: (0.23, 0.2301) for st in estimates.STAGES})
+    overlap["exposed (ms)"] = 0.1  # inside every range: the sentence without an attribution
+    growth = ch7["growth_attribution"](samples, overlap)
+    assert growth.endswith("ms here).") and "lies" not in growth
     assert ch7["launch_words"]("slower", "than DDP").startswith("slower than DDP beyond the 10% margin")
     assert ch7["launch_words"](timing.NO_DIFFERENCE).startswith("no difference beyond the 10% margin")
 
