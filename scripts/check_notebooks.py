@@ -185,6 +185,20 @@ def _text_of(output: dict) -> str:
     return "\n".join(parts)
 
 
+# A link to another page of the book or to a notebook, not absolute: it works on the built site only and breaks in
+# Jupyter and Colab (BOOK_STANDARD: absolute links from notebooks). Checked in every cell's source and output.
+RELATIVE_LINK = re.compile(r"\]\((?!https?://)([^)\s]*\.(?:md|ipynb|html)(?:#[^)\s]*)?)\)")
+
+
+def relative_links(nb: dict) -> list[tuple[int, str]]:
+    """(cell number, link target) of every relative link to a page or notebook, in sources and outputs."""
+    found = []
+    for i, cell in enumerate(nb.get("cells", []), start=1):
+        texts = ["".join(cell.get("source", ""))] + [_text_of(o) for o in cell.get("outputs", [])]
+        found += [(i, m.group(1)) for text in texts for m in RELATIVE_LINK.finditer(text)]
+    return found
+
+
 def check(path: Path, helpers: Path = HELPERS, allowances: dict | None = None) -> list[str]:
     """Return the hygiene problems of one notebook (empty when it is clean)."""
     return check_with_note(path, helpers, allowances)[0]
@@ -231,6 +245,8 @@ def check_with_note(path: Path, helpers: Path = HELPERS, allowances: dict | None
         problems.append("the first code cell's output (environment report) names no NVIDIA GPU")
     if not re.search(r"profile\s+full\b", first):
         problems.append("the first code cell's output does not show the full profile")
+    for i, target in relative_links(nb):
+        problems.append(f"cell {i}: relative link ({target}) breaks in Jupyter and Colab: use the site's absolute URL")
     roles, allowed = raw_roles(nb), raw_roles_allowed(path.parent).get(path.name, 0)
     if roles > allowed:
         problems.append(f"{roles} raw MyST roles in markdown (allowed: {allowed}); Jupyter and Colab show them "

@@ -229,3 +229,24 @@ def test_the_committed_allowances_match_the_chapters():
     for name, n in allowed.items():
         assert check_notebooks.raw_roles(json.loads((folder / name).read_text())) == n, name
     assert "08_profiling.ipynb" not in allowed
+
+
+@pytest.mark.parametrize("where", ["markdown", "rendered", "code"])
+def test_relative_links_to_pages_fail_absolute_ones_and_code_calls_pass(tmp_path, where):
+    bad = "([Hu et al. (2022)](../book/references.md#hu))"
+    good = "([Hu et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html#hu))"
+    md = nbformat.v4.new_output("display_data", data={"text/markdown": bad})
+    cells = [env_cell(), ("f(x)[0](y)", [])]  # a call on an indexed value is not a link
+    if where == "rendered":
+        cells.append(("display(Markdown(text))", [md]))
+    elif where == "code":
+        cells.append((f'text = "{bad}"', []))
+    path = notebook(tmp_path, cells)
+    if where == "markdown":
+        _with_markdown(path, f"See {bad} and the [next chapter](02_dtypes.ipynb#section).")
+    problems = check_notebooks.check(path)
+    assert any("relative link (../book/references.md#hu)" in p for p in problems), problems
+    if where == "markdown":
+        assert any("relative link (02_dtypes.ipynb#section)" in p for p in problems)
+    clean = notebook(tmp_path, [env_cell(), (f'text = "{good}"', [])])
+    assert check_notebooks.check(_with_markdown(clean, f"See {good}.")) == []
