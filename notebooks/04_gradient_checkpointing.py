@@ -756,7 +756,7 @@ def price_lines(name, part, step_s):
         text = (f"  Where it costs more than predicted (batch {', '.join(map(str, group.index))}), the GPU work it "
                 f"adds is {r['GPU work added (ms)']:.1f} ms at batch {b}, against "
                 f"{r['layer forward GPU work (ms)']:.1f} ms for the layers' forward pass: ")
-        if is_host and matches:
+        if is_host:  # host-bound first: the GPU work added (about a pass, or less) does not set the step's time
             text += (f"the GPU does {r['GPU work added (ms)'] / r['layer forward GPU work (ms)']:.0%} of one more "
                      "forward pass (theory: one whole pass), but the step is host-bound (GPU busy "
                      f"{r['GPU busy, checkpointed']:.0%} with checkpointing), so what sets its time is the CPU, and the "

@@ -142,6 +142,11 @@ def test_ch04_price_lines_every_branch():
     assert "times the half-width of its 95% interval" in text and "that waiting is part of the cost" in text
     assert "host-bound (GPU busy 30% with checkpointing)" in text
     assert "measured *faster*" in text and "rose from 90% to 97%" in text
+    # a host-bound row whose added GPU work is well short of one forward pass still gets the host explanation
+    part = summary.loc["m"].copy()
+    part.loc[16, "GPU work added (ms)"] = 0.69 * part.loc[16, "layer forward GPU work (ms)"]
+    text = "\n".join(f["price_lines"]("m", part, pd.Series(0.1, index=list(cases))))
+    assert "69% of one more forward pass" in text and "host-bound (GPU busy 30% with checkpointing)" in text
     assert "2 of the rows above), checkpointing cost 10 to 30% here" in f["gpu_limit_sentence"](summary)  # batch 4 idles
     assert "None of these" in f["gpu_limit_sentence"](summary.iloc[2:3])
 
