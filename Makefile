@@ -8,6 +8,9 @@ TORCH  ?= torch==2.13.0
 # venv see it and ask pip only for "torch", which that installation satisfies:
 #   make VENV_ARGS=--system-site-packages TORCH=torch test
 VENV_ARGS ?=
+# pytest-xdist workers for `make unit` and `make notebooks` (CI's machine has 2 cores; WORKERS=1 runs serially
+# in two processes, WORKERS=0 in one, as before).
+WORKERS ?= 2
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
@@ -27,12 +30,18 @@ book: $(STAMP) site
 
 test: $(STAMP) lint unit notebooks hygiene twins workflows site site-test
 
+# Test files spread over $(WORKERS) pytest-xdist workers (each test file whole on one worker: --dist loadfile).
 unit:
-	$(BIN)/python -m pytest tests -q -p no:cacheprovider
+	$(BIN)/python -m pytest tests -q -p no:cacheprovider -n $(WORKERS) --dist loadfile
 
-# Every chapter, top to bottom in a fresh kernel, in the tiny profile (CPU-sized models).
+# Every chapter, top to bottom in a fresh kernel, in the tiny profile (CPU-sized models), on $(WORKERS)
+# pytest-xdist workers: --dist loadfile runs each notebook whole, in its own kernel, on one worker, and
+# --no-loadscope-reorder keeps the order scripts/chapter_order.py gives (longest chapter first, from the
+# "CPU tiny" minutes of notebooks/chapters.json; every notebook that `pytest notebooks` collects).
 notebooks:
-	GPUBOOK_PROFILE=tiny MPLBACKEND=Agg $(BIN)/python -m pytest --nbval-lax --nbval-current-env -q -p no:cacheprovider notebooks
+	files=$$($(BIN)/python scripts/chapter_order.py notebooks) && \
+	GPUBOOK_PROFILE=tiny MPLBACKEND=Agg $(BIN)/python -m pytest --nbval-lax --nbval-current-env -q -p no:cacheprovider \
+	  -n $(WORKERS) --dist loadfile --no-loadscope-reorder $$files
 
 hygiene:
 	$(BIN)/python scripts/check_notebooks.py notebooks
