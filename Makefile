@@ -8,8 +8,8 @@ TORCH  ?= torch==2.13.0
 # venv see it and ask pip only for "torch", which that installation satisfies:
 #   make VENV_ARGS=--system-site-packages TORCH=torch test
 VENV_ARGS ?=
-# pytest-xdist workers for `make unit` and `make notebooks` (CI's machine has 2 cores; WORKERS=1 runs serially
-# in two processes, WORKERS=0 in one, as before).
+# pytest-xdist workers for `make unit` and `make notebooks`: one per core of CI's 2-core machine.
+# WORKERS=0 runs each step in one pytest process, one test after the other.
 WORKERS ?= 2
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
