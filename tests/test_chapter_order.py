@@ -72,12 +72,15 @@ def test_the_script_prints_one_path_a_line_and_fails_on_an_empty_folder(tmp_path
 def test_make_notebooks_keeps_the_nbval_run_and_spreads_it_over_workers_by_file():
     line = recipe("notebooks")
     for flag in ["GPUBOOK_PROFILE=tiny", "MPLBACKEND=Agg", "-m pytest", "--nbval-lax", "--nbval-current-env",
-                 "-n $(WORKERS)", "--dist loadfile", "--no-loadscope-reorder", "scripts/chapter_order.py notebooks"]:
+                 "-n $(WORKERS)", "--dist loadfile", "--no-loadscope-reorder", "scripts/chapter_order.py notebooks",
+                 "OMP_NUM_THREADS=$(THREADS)"]:
         assert flag in line, flag
     # The list of files feeds pytest only if the script succeeded (an empty list would collect the whole repository).
     assert re.search(r"files=\$\$\(\S+ scripts/chapter_order.py notebooks\) && ", line)
-    assert "--dist loadfile" in recipe("unit")
-    assert re.search(r"^WORKERS \?= 2$", (ROOT / "Makefile").read_text(), flags=re.M)
+    assert "--dist loadfile" in recipe("unit") and "OMP_NUM_THREADS=$(THREADS)" in recipe("unit")
+    # Two workers on CI's two cores, one torch thread each (two threads each ran 10-40x slower there).
+    make = (ROOT / "Makefile").read_text()
+    assert re.search(r"^WORKERS \?= 2$", make, flags=re.M) and re.search(r"^THREADS \?= 1$", make, flags=re.M)
 
 
 def test_pytest_xdist_is_pinned_with_the_test_dependencies():
