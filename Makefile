@@ -8,6 +8,13 @@ TORCH  ?= torch==2.13.0
 # venv see it and ask pip only for "torch", which that installation satisfies:
 #   make VENV_ARGS=--system-site-packages TORCH=torch test
 VENV_ARGS ?=
+# pytest-xdist workers for `make unit` and `make notebooks`: one per core of CI's 2-core machine.
+# WORKERS=0 runs each step in one pytest process, one test after the other.
+WORKERS ?= 2
+# CPU threads of torch (OMP_NUM_THREADS) in each worker and its chapter's kernel; WORKERS x THREADS should not
+# exceed the cores. Two processes that each keep torch's default of one thread per core wait on each other's
+# descheduled threads: a tiny training step ran 10-40x slower so on 2 cores (measured 2026-11-27).
+THREADS ?= 1
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
@@ -27,12 +34,19 @@ book: $(STAMP) site
 
 test: $(STAMP) lint unit notebooks hygiene twins workflows site site-test
 
+# Test files spread over $(WORKERS) pytest-xdist workers (each test file whole on one worker: --dist loadfile),
+# $(THREADS) torch thread(s) each.
 unit:
-	$(BIN)/python -m pytest tests -q -p no:cacheprovider
+	OMP_NUM_THREADS=$(THREADS) $(BIN)/python -m pytest tests -q -p no:cacheprovider -n $(WORKERS) --dist loadfile
 
-# Every chapter, top to bottom in a fresh kernel, in the tiny profile (CPU-sized models).
+# Every chapter, top to bottom in a fresh kernel, in the tiny profile (CPU-sized models), on $(WORKERS)
+# pytest-xdist workers, $(THREADS) torch thread(s) each: --dist loadfile runs each notebook whole, in its own
+# kernel, on one worker, and --no-loadscope-reorder keeps the order scripts/chapter_order.py gives (longest
+# chapter first, from the "CPU tiny" minutes of notebooks/chapters.json; every notebook `pytest notebooks` collects).
 notebooks:
-	GPUBOOK_PROFILE=tiny MPLBACKEND=Agg $(BIN)/python -m pytest --nbval-lax --nbval-current-env -q -p no:cacheprovider notebooks
+	files=$$($(BIN)/python scripts/chapter_order.py notebooks) && \
+	GPUBOOK_PROFILE=tiny MPLBACKEND=Agg OMP_NUM_THREADS=$(THREADS) $(BIN)/python -m pytest --nbval-lax --nbval-current-env -q -p no:cacheprovider \
+	  -n $(WORKERS) --dist loadfile --no-loadscope-reorder $$files
 
 hygiene:
 	$(BIN)/python scripts/check_notebooks.py notebooks

@@ -320,7 +320,7 @@ else:
 #
 # How to read the sentences under the figure: *[host enqueue](https://gpu-efficient-training.github.io/book/book/glossary.html#host-enqueue)* includes the CPU's waiting for the GPU, so where it
 # grows with the batch although the number of operations per step does not, that growth is waiting, not issuing;
-# where the GPU is busy most of the time, it is the GPU-busy fraction that decides the verdict. "95% of the best"
+# where the GPU is busy most of the time, it is the GPU-busy fraction that says what limits the step. "95% of the best"
 # is measured against the largest batch the sweep ran.
 
 # %%

@@ -895,7 +895,9 @@ else:
 # **The Hugging Face guide's rows.** The guide adds checkpointing to bert-large at batch 1 with 4 accumulation
 # steps (on a V100: 66.03 s and 8,681 MiB without, 85.47 s and 6,775 MiB with, for 512 samples). The same pair
 # here, with chapter 3's accumulation loop, time per optimizer step (the table: `time_it` for each; the
-# comparison: `timing.interleaved`, the two in alternating rounds):
+# comparison: `timing.interleaved`, the two in alternating rounds). The GPU-busy fractions in the sentence under
+# the table come from the alternating rounds' own profiled steps, divided by that side's median time in the rounds,
+# so they can differ by several points from the table's, which `time_it` measured on each configuration alone:
 
 # %%
 def accumulate(model, optimizer, micro_batches):

@@ -542,7 +542,10 @@ display(Markdown(text))
 # `GradScaler`; TF32 switched on, untimed, before each of its samples) alternating with fp32's in rounds, and the
 # median of the per-round ratios with its 95% interval. A recipe counts as faster or slower only when the whole
 # interval lies beyond ±3%. Precision is a change on the GPU, so it is judged at the realistic size, where the GPU
-# is busy; the small training step shows something else, the host.
+# is busy; the small training step shows something else, the host. The GPU-busy fractions that the sentences below
+# quote belong to the alternating rounds (each side's profiled kernel time over its median time in the rounds); a
+# step that runs beside another in rounds need not take as long as it did alone, so at the small size they can
+# differ from the table's, which `time_it` measured on each recipe alone.
 
 # %%
 speed_rows = {}

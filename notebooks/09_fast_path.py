@@ -890,8 +890,9 @@ else:
 #
 # Each compile mode gets its own eager baseline, timed interleaved with it on the same weights, optimizer and
 # batch: before each sample the model's layer list is set to the eager layers or to their compiled wrappers (which
-# share the same parameters). Compile time is the first compiled step's time minus an eager step's, with Inductor's
-# on-disk caches empty (setup cell). `reduce-overhead` runs first on bert-large, because it also removes launch
+# share the same parameters). Compile time is the first compiled step's time minus an eager step's. Inductor's
+# on-disk caches are empty when the chapter starts (setup cell), so the first compile below is cold; a later one
+# may reuse kernels that the compiles before it built, and its row names them. `reduce-overhead` runs first on bert-large, because it also removes launch
 # overhead, which matters wherever the GPU waits for the host (the GPU-busy columns show how often it does).
 
 # %%
@@ -1984,6 +1985,9 @@ else:
 # GPU and what limited it, and the verdict (*faster* or *slower* only when the whole interval lies beyond ±3%;
 # section 9.2's padding rows are judged by their kernel-time speed-up, as the column "judged on" says).
 # A row whose baseline is host-bound measures the host as much as the technique: on another CPU its number differs.
+# In the chart under the table, a point's colour is the row's verdict (green faster, red slower, grey no practical
+# difference), and for the two padding rows that is the kernel-time verdict, while the point and its whiskers are
+# the wall clock's: a green point can sit at 1×. On this log axis the grey ±3% band can be too narrow to see.
 
 # %%
 closing = pd.DataFrame(findings).set_index(["technique", "model"]) if findings else pd.DataFrame()

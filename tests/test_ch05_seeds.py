@@ -93,7 +93,7 @@ def test_seeds_text_every_branch():
              "fp16": [curve(24), curve(29), curve(31)]}
     text = F["seeds_text"](alike, "fp32", HORIZON, "precision")
     assert "fp32 3 of 3 (first below 0.1 at steps 25–31)" in text
-    assert "Against fp32, bf16 and fp16: no difference across seeds" in text
+    assert "bf16 and fp16 against fp32: no difference across seeds" in text
     assert "spread over up to 7 steps" in text and "did not change what the model learned" in text
     assert "median first crossings at most 1 step from fp32's" in text
     same = {"fp32": alike["fp32"], "bf16": alike["fp32"], "fp16": alike["fp32"]}
