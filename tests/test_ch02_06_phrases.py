@@ -217,6 +217,9 @@ def test_ch05_optimizers_repeat_and_empty_cache():
     assert "does not place within or beyond 10%" in f["optimizer_speed_text"](wide, 600)
     assert "600 GPU operations at about" in text and "8-bit AdamW (bnb) issue at least one GPU operation" in text
     assert "kept the GPU busy 30% of their step" in text
+    two = dict(cmps, **{"Adafactor": dataclasses.replace(cmps["8-bit AdamW (bnb)"], b=dataclasses.replace(
+        cmps["8-bit AdamW (bnb)"].b, gpu_busy=0.15))})
+    assert "kept the GPU busy between 15% and 30% of their step" in f["optimizer_speed_text"](two, 600)
     assert text.count("GPU operations at about") == 1  # 500 launches < 600 tensors: not per tensor
     assert not any(w in text for w in ("host-bound", "mixed", "GPU-bound"))  # busy numbers, not band words
     busy = dataclasses.replace(cmps["8-bit AdamW (bnb)"], b=dataclasses.replace(cmps["8-bit AdamW (bnb)"].b,
