@@ -22,7 +22,9 @@ changes, for this process only and without creating a CUDA context:
   asking for it is silently ignored, as a T4, which has no TF32 units, ignores it;
 - scaled_dot_product_attention's flash and cuDNN backends are off and locked (``sdpa_kernel`` and
   ``enable_flash_sdp(True)`` cannot turn them on): memory-efficient and math stay, as on a T4. Forcing
-  flash alone then fails with "no available kernel", as on a T4.
+  flash alone then fails with "no available kernel", as on a T4; and, as on a T4, the memory-efficient
+  kernel takes no bf16 (``F.scaled_dot_product_attention`` on bf16 CUDA tensors runs with it disabled: the
+  math kernel, which stores the s x s matrix, or "no available kernel" when math is not allowed).
 
 Any other value of ``GPUBOOK_EMULATE`` is an error (``ValueError``); unset or empty, or without CUDA, the
 module changes nothing.
@@ -34,8 +36,9 @@ What it cannot emulate:
   the L2 cache and the other device properties are the real card's;
 - NVML's *used* memory and torch's allocator numbers are real (the CUDA context of an H100 is larger than
   a T4's, which the chapters' ``measure.t4_budget`` subtracts as measured here);
-- numerics: fp16 runs the same kernels' sm_90 versions, not sm_75's; the memory-efficient attention
-  kernel that runs on a T4 in bf16 falls back to math there but not here (the book uses fp16 on a T4);
+- numerics: fp16 runs the same kernels' sm_90 versions, not sm_75's (and bf16 matmuls run natively here,
+  where a T4 emulates them, slowly); code that calls torch's C++ attention ops directly, not through
+  ``F.scaled_dot_product_attention``, still gets the memory-efficient kernel in bf16;
 - what torch decides from the real device: its C++ code (e.g. which SDPA kernels are *available*) and its
   own Python modules (``torch.*`` and Triton callers get the real card's name, capability and properties:
   ``torch.compile`` must build kernels the H100 can load). Only the answers to the book's code and the
@@ -250,6 +253,28 @@ def _patch_torch(emu: Emulation) -> None:
             emu.patch(C, name, locked(getattr(C, name), never))
 
 
+def _patch_sdpa(emu: Emulation) -> None:
+    """No bf16 in the memory-efficient SDPA kernel (it needs compute capability 8.0 for bf16): bf16 attention
+    on CUDA runs as on a T4, with the math kernel, or fails when math is not allowed either."""
+    import torch
+    import torch.nn.functional as F
+
+    C = torch._C
+    real_sdpa = F.scaled_dot_product_attention
+
+    def scaled_dot_product_attention(query, key, value, *args, **kwargs):
+        if query.is_cuda and query.dtype == torch.bfloat16 and C._get_mem_efficient_sdp_enabled():
+            C._set_sdp_use_mem_efficient(False)
+            try:
+                return real_sdpa(query, key, value, *args, **kwargs)
+            finally:
+                C._set_sdp_use_mem_efficient(True)
+        return real_sdpa(query, key, value, *args, **kwargs)
+
+    scaled_dot_product_attention.__doc__ = real_sdpa.__doc__
+    emu.patch(F, "scaled_dot_product_attention", scaled_dot_product_attention)
+
+
 def _patch_nvml(emu: Emulation) -> None:
     try:
         import pynvml
@@ -298,6 +323,7 @@ def activate(card: str = "t4") -> Emulation | None:
     emu = Emulation(card=card, total_bytes=int(t4_memory_gib() * 2**30), capability=T4_CAPABILITY)
     try:
         _patch_torch(emu)
+        _patch_sdpa(emu)
         _patch_nvml(emu)
     except BaseException:
         _restore(emu)

@@ -270,3 +270,19 @@ def test_t4_mode_runs_the_single_gpu_chapters_only():
     chapters = execute_notebooks.chapter_order()
     assert [c["file"] for c in chapters if c["gpus"] > 1] == ["07_distributed_zero.ipynb"]
     assert json.loads((ROOT / "notebooks" / "chapters.json").read_text())["chapters"] == chapters
+
+
+def test_bf16_attention_gets_no_memory_efficient_kernel_as_on_a_t4(emulated, monkeypatch):
+    import torch.nn.functional as F
+
+    module, _ = emulated
+    module.deactivate()
+    seen = []
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda q, k, v, *a, **kw: seen.append((q.dtype, torch._C._get_mem_efficient_sdp_enabled())))
+    module.activate("t4")
+    for dtype, is_cuda in ((torch.bfloat16, True), (torch.float16, True), (torch.bfloat16, False)):
+        q = SimpleNamespace(is_cuda=is_cuda, dtype=dtype)
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert seen == [(torch.bfloat16, False), (torch.float16, True), (torch.bfloat16, True)]
+    assert torch._C._get_mem_efficient_sdp_enabled()  # switched back on after the call
