@@ -287,8 +287,9 @@ def main(argv: list[str] | None = None) -> int:
         env = emulation_environ(args.emulate, dict(os.environ), Path(tempfile.mkdtemp(prefix="gpubook-emulate-")))
         os.environ.clear()
         os.environ.update(env)
-        print(f"T4 mode: the kernels run with {EMULATE_VAR}={args.emulate} on GPU "
-              f"{env['CUDA_VISIBLE_DEVICES']} as {gpu}; outputs -> {args.out}", flush=True)
+        print(f"{args.emulate.upper()} mode: the kernels run with {EMULATE_VAR}={args.emulate} on GPU "
+              f"{env['CUDA_VISIBLE_DEVICES']}, as {gpu or 'nothing (no GPU here: the emulation changes nothing)'}; "
+              f"outputs -> {args.out}", flush=True)
     status = 0
     written = []
     for path, needs in todo:
