@@ -307,7 +307,7 @@ def _patch_nvml(emu: Emulation) -> None:
 
 
 def activate(card: str = "t4") -> Emulation | None:
-    """Make this process's CUDA GPU answer like ``card``; None (nothing changed) without CUDA.
+    """Make this process's CUDA GPU answer like ``card``; None (nothing changed) without CUDA or torch.
 
     Idempotent: a second call returns the emulation already in force. Creates no CUDA context.
     """
@@ -316,8 +316,10 @@ def activate(card: str = "t4") -> Emulation | None:
         raise ValueError(f"unknown card to emulate {card!r}; known: {', '.join(CARDS)}")
     if _active is not None:
         return _active
-    import torch
-
+    try:
+        import torch
+    except ImportError:  # a Python without torch (a tool a chapter starts): no CUDA for it to see
+        return None
     if not torch.cuda.is_available():
         return None
     emu = Emulation(card=card, total_bytes=int(t4_memory_gib() * 2**30), capability=T4_CAPABILITY)

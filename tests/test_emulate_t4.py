@@ -131,6 +131,12 @@ def test_without_cuda_it_is_a_no_op(monkeypatch):
     assert load().active() is None
 
 
+def test_a_python_without_torch_is_left_alone(monkeypatch):
+    monkeypatch.setenv("GPUBOOK_EMULATE", "t4")
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    assert load().active() is None
+
+
 def test_t4_mode_changes_exactly_the_listed_answers(emulated):
     module, state = emulated
     module.deactivate()
