@@ -292,3 +292,37 @@ def test_bf16_attention_gets_no_memory_efficient_kernel_as_on_a_t4(emulated, mon
         F.scaled_dot_product_attention(q, q, q, is_causal=True)
     assert seen == [(torch.bfloat16, False), (torch.float16, True), (torch.bfloat16, True)]
     assert torch._C._get_mem_efficient_sdp_enabled()  # switched back on after the call
+
+
+def test_the_runner_on_a_fake_h100_runs_single_gpu_chapters_emulated_into_its_folder(tmp_path, monkeypatch, capsys):
+    """The GPU path of main(): chapter 7 skipped, the others executed in kernels with the T4 environment."""
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != "GPUBOOK_EMULATE"})
+    monkeypatch.setattr(execute_notebooks, "gpus", lambda: (2, H100))
+    calls = []
+
+    def fake_execute(path, out, timeout_s, gpu=None, profile="full", commit=None):
+        calls.append((path.name, out, gpu, profile, dict(os.environ)))
+        return {"wall_s": 1.0, "gpu": gpu, "torch": "x", "profile": profile, "date": "d", "commit": commit}
+
+    monkeypatch.setattr(execute_notebooks, "execute", fake_execute)
+    monkeypatch.setattr(execute_notebooks, "provenance", lambda paths, commit, root: ("abc123", ["helpers/x.py"]))
+    monkeypatch.setattr(execute_notebooks.subprocess, "run", lambda *a, **k: SimpleNamespace(returncode=0))
+    out = tmp_path / "t4"
+    assert execute_notebooks.main(["--emulate", "t4", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "stamped abc123+uncommitted" in printed  # a dirty tree is allowed: nothing is committed from here
+    assert "07_distributed_zero.ipynb: SKIPPED: needs 2 GPUs; a T4 reader has one" in printed
+    expected = [c["file"] for c in execute_notebooks.chapter_order() if c["gpus"] == 1]
+    assert [name for name, *_ in calls] == expected and len(expected) == 9
+    for name, dest, gpu, profile, environ in calls:
+        assert dest == out / name and gpu == "Tesla T4 (emulated on NVIDIA.H100.80GB.HBM3)" and profile == "full"
+        assert environ["GPUBOOK_EMULATE"] == "t4" and environ["CUDA_VISIBLE_DEVICES"] == "0"
+        assert environ["GPUBOOK_PROFILE"] == "full"
+        site = Path(environ["PYTHONPATH"].split(os.pathsep)[0])
+        assert (site / "sitecustomize.py").exists()
+    times = json.loads((out / "execution_times.json").read_text())["chapters"]
+    assert sorted(times) == sorted(Path(f).stem for f in expected)
+    calls.clear()
+    one = ROOT / "notebooks" / "07_distributed_zero.ipynb"
+    assert execute_notebooks.main(["--emulate", "t4", "--out", str(out), str(one)]) == 1  # nothing written
+    assert not calls and "SKIPPED" in capsys.readouterr().out
