@@ -253,6 +253,7 @@ def test_the_runner_builds_the_kernel_environment(tmp_path):
 
 def test_the_sitecustomize_loads_the_emulation_in_a_new_process(tmp_path):
     env = execute_notebooks.emulation_environ("t4", dict(os.environ), tmp_path / "site")
+    env["CUDA_VISIBLE_DEVICES"] = ""  # no GPU even on a GPU machine: the answer below is the same everywhere
     code = "import sys; m = sys.modules['gpubook_emulate']; print(m.requested(), m.active())"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
