@@ -35,7 +35,9 @@ What it cannot emulate:
   timing is the big card's, and a time budget does not skip what it would skip on a T4; the number of SMs,
   the L2 cache and the other device properties are the real card's;
 - NVML's *used* memory and torch's allocator numbers are real (the CUDA context of an H100 is larger than
-  a T4's, which the chapters' ``measure.t4_budget`` subtracts as measured here);
+  a T4's, which the chapters' ``measure.t4_budget`` subtracts as measured here), and the allocator's cap
+  does not subtract the context, so a peak within the context's size (~0.5 GiB) of 14.75 GiB fits here and
+  not on a T4; torch's out-of-memory message (C++) names the real card's total capacity and free memory;
 - numerics: fp16 runs the same kernels' sm_90 versions, not sm_75's (and bf16 matmuls run natively here,
   where a T4 emulates them, slowly); code that calls torch's C++ attention ops directly, not through
   ``F.scaled_dot_product_attention``, still gets the memory-efficient kernel in bf16;
