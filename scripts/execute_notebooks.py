@@ -283,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     drop_non_inline_backend()
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
+    check_env = dict(os.environ)  # the hygiene check runs without the emulation
     if args.emulate:
         env = emulation_environ(args.emulate, dict(os.environ), Path(tempfile.mkdtemp(prefix="gpubook-emulate-")))
         os.environ.clear()
@@ -310,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             status = 1
     if not written:
         return status or 1
-    check = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_notebooks.py"), *written])
+    check = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_notebooks.py"), *written], env=check_env)
     return status or check.returncode
 
 
