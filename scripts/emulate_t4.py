@@ -9,9 +9,8 @@ changes, for this process only and without creating a CUDA context:
 - ``torch.cuda.is_bf16_supported()`` says True and ``is_bf16_supported(including_emulation=False)`` False,
   as on a real T4 (bf16 runs there, through slow emulation, not natively); ``is_tf32_supported`` says False;
 - the name: ``get_device_name``, ``get_device_properties(..).name`` and NVML's ``nvmlDeviceGetName`` say
-  ``Tesla T4 (emulated on NVIDIA.H100.80GB.HBM3)``: the real card's name is kept (the environment report
-  stays honest) with its words joined by dots, so that ``helpers.gpus.gpu_key`` finds "T4" and not the
-  host card (a word "H100" in the name would tie with "T4" and win);
+  ``Tesla T4 (emulated on H100)``: the environment report stays honest, and ``helpers.gpus.gpu_key`` finds
+  "T4", not the host card (see ``emulated_name``);
 - memory: ``get_device_properties(..).total_memory`` and ``mem_get_info``'s total are the T4's
   ``helpers.gpus.T4_MEMORY_GIB`` (read from that file, not retyped), ``mem_get_info``'s free is that less
   what the card has in use; NVML's total is the T4's 15,360 MiB (what nvidia-smi shows on one), its *used*
@@ -84,12 +83,18 @@ def t4_memory_gib(gpus_py: Path = GPUS_PY) -> float:
     raise RuntimeError(f"no T4_MEMORY_GIB = <number> in {gpus_py}")
 
 
-_SEPARATORS = re.compile(r"[\s_-]+")  # what helpers.gpus.gpu_key splits a name's words at
+_SEPARATORS = re.compile(r"[\s_-]+")  # where helpers.gpus.gpu_key splits a name into words
+_VENDOR_WORDS = {"NVIDIA", "TESLA"}
 
 
 def emulated_name(host: str) -> str:
-    """``Tesla T4 (emulated on NVIDIA.H100.80GB.HBM3)`` for ``host`` "NVIDIA H100 80GB HBM3"."""
-    return f"{T4_NAME} (emulated on {_SEPARATORS.sub('.', host.strip())})"
+    """``Tesla T4 (emulated on H100)`` for ``host`` "NVIDIA H100 80GB HBM3": the host's model (its first word
+    after the vendor's) glued to the closing parenthesis, so that ``helpers.gpus.gpu_key``, which splits names
+    at spaces, hyphens and underscores, reads "h100)" and never the word "H100" (which would tie with "T4" and
+    win); short enough that the environment table shows its GPU row whole (pandas cuts cells at 50 characters).
+    """
+    words = [w for w in _SEPARATORS.split(host.strip()) if w and w.upper() not in _VENDOR_WORDS]
+    return f"{T4_NAME} (emulated on {words[0] if words else 'another GPU'})"
 
 
 class EmulatedProperties:

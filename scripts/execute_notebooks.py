@@ -83,6 +83,12 @@ def install_missing(wheels: Path, target: Path) -> list[str]:
     return [_dist_name(w) for w in missing]
 
 
+def nbformat_read(path: Path):
+    import nbformat
+
+    return nbformat.read(path, as_version=4)
+
+
 def gpus() -> tuple[int, str | None]:
     """(number of CUDA GPUs, name of the first) as torch sees them; (0, None) without CUDA or torch."""
     try:
@@ -125,6 +131,23 @@ def emulation_environ(card: str, environ: dict, folder: Path) -> dict:
     first = (environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip() or "0"
     env["CUDA_VISIBLE_DEVICES"] = first
     return env
+
+
+def emulation_visible(nb) -> bool:
+    """Whether the first code cell's output (the environment report) names an emulated card.
+
+    A kernel started without the emulation (a Python that ignores PYTHONPATH, a sitecustomize that did not
+    load) would run as the big card; its report then names that card alone, and the run must not pass as a T4's.
+    """
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    if not code:
+        return False
+    texts = []
+    for out in code[0].get("outputs", []):
+        texts.append(out.get("text", "") if isinstance(out.get("text", ""), str) else "".join(out["text"]))
+        for value in out.get("data", {}).values():
+            texts.append(value if isinstance(value, str) else "".join(map(str, value)))
+    return "(emulated on " in "\n".join(texts)
 
 
 def chapter_order(chapters: Path = CHAPTERS) -> list[dict]:
@@ -303,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         out = (args.out / path.name) if args.out else path
         try:
             record = execute(path, out, args.timeout, gpu, args.profile, commit)
+            if args.emulate and n_gpus and not emulation_visible(nbformat_read(out)):
+                raise RuntimeError(f"the environment report of {out} names no emulated card: the kernel ran "
+                                   f"without the {args.emulate.upper()} emulation (its outputs are the big GPU's)")
             record_time(out.parent / TIMES, path.stem, record)
             print(f"{path.name}: executed in {record['wall_s']:.0f} s -> {out}", flush=True)
             written.append(str(out))
