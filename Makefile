@@ -110,8 +110,17 @@ colab-like:
 # notebooks/chapters.json (a chapter needing more GPUs than the machine has is skipped, saying so), stamp
 # them, record their wall times in notebooks/execution_times.json, then check them. Refuses without CUDA.
 # The status page (book/status.md) is rewritten from the result.
+# T4 mode, EMULATE=t4 (both gpu-run and gpu-test): the single-GPU chapters (or CHAPTERS) run top to bottom
+# with the big GPU answering like a Colab T4 (scripts/emulate_t4.py says what it cannot emulate: speed
+# first), into EMULATE_OUT; the committed notebooks and the status page are not touched.
+EMULATE ?=
+EMULATE_OUT ?= _build/emulate-$(EMULATE)
 gpu-run:
-	$(PYTHON) scripts/execute_notebooks.py; status=$$?; $(PYTHON) scripts/status_page.py; exit $$status
+ifeq ($(strip $(EMULATE)),)
+	env -u GPUBOOK_EMULATE $(PYTHON) scripts/execute_notebooks.py; status=$$?; $(PYTHON) scripts/status_page.py; exit $$status
+else
+	$(PYTHON) scripts/execute_notebooks.py --emulate $(EMULATE) --out $(EMULATE_OUT) $(CHAPTERS)
+endif
 
 # Maintainers, on a GPU machine (H100 or H200; chapter 7 needs 2 GPUs, else it is skipped, saying so):
 # re-execute every chapter in the full profile into a temporary folder (the committed notebooks are not
@@ -127,8 +136,12 @@ gpu-run:
 # git, name the commit: GPUBOOK_COMMIT=SHA make gpu-test.
 CHAPTERS ?=
 gpu-test:
-	$(PYTHON) scripts/gpu_check.py --restamp $(CHAPTERS); status=$$?; $(PYTHON) scripts/status_page.py; exit $$status
-	$(PYTHON) -m pytest -m gpu tests -q -p no:cacheprovider
+ifeq ($(strip $(EMULATE)),)
+	env -u GPUBOOK_EMULATE $(PYTHON) scripts/gpu_check.py --restamp $(CHAPTERS); status=$$?; $(PYTHON) scripts/status_page.py; exit $$status
+	env -u GPUBOOK_EMULATE $(PYTHON) -m pytest -m gpu tests -q -p no:cacheprovider
+else
+	$(PYTHON) scripts/execute_notebooks.py --emulate $(EMULATE) --out $(EMULATE_OUT) $(CHAPTERS)
+endif
 
 clean:
 	rm -rf _build

@@ -2,7 +2,7 @@
 """Execute chapter notebooks in the full profile on a GPU machine, then run the hygiene check.
 
     python scripts/execute_notebooks.py [notebooks/01_memory_anatomy.ipynb ...] [--out DIR] [--wheels DIR]
-                                        [--commit SHA]
+                                        [--commit SHA] [--emulate t4]
 
 Without notebook arguments, every chapter runs in the order of notebooks/chapters.json; a chapter that
 needs more GPUs than the machine has is skipped, saying so. Each notebook runs top to bottom in a
@@ -26,6 +26,13 @@ Made for a bare GPU machine whose Python already has torch: it installs nothing 
 Packages that are missing (nbclient, ipykernel, datasets, bitsandbytes, ...) can come from a folder of
 wheels (--wheels): only the wheels whose distribution is not installed are unpacked, into a private
 folder put on PYTHONPATH for this run and its kernels.
+
+T4 mode (``--emulate t4``, ``make gpu-run EMULATE=t4``): the kernels run with ``GPUBOOK_EMULATE=t4`` and a
+sitecustomize.py first on their PYTHONPATH that loads scripts/emulate_t4.py, so a big GPU answers like a
+Colab T4 (compute capability 7.5, its name and memory, no bf16/TF32/flash attention; see that module for
+what it cannot emulate), and they see one GPU. Only the single-GPU chapters run (chapter 7 needs two; a T4
+reader has one), into a separate folder (``--out``, default _build/emulate-t4): never over the committed
+notebooks. Their stamps name the emulated card. ``GPUBOOK_EMULATE`` set without ``--emulate`` is refused.
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ import stamps  # noqa: E402  (the content hashes the hygiene check compares)
 
 CHAPTERS = ROOT / "notebooks" / "chapters.json"
 TIMES = "execution_times.json"
+EMULATE_VAR = "GPUBOOK_EMULATE"  # read by scripts/emulate_t4.py in each kernel
+EMULATE_CARDS = ("t4",)
 
 
 def _dist_name(wheel: Path) -> str:
@@ -74,6 +83,12 @@ def install_missing(wheels: Path, target: Path) -> list[str]:
     return [_dist_name(w) for w in missing]
 
 
+def nbformat_read(path: Path):
+    import nbformat
+
+    return nbformat.read(path, as_version=4)
+
+
 def gpus() -> tuple[int, str | None]:
     """(number of CUDA GPUs, name of the first) as torch sees them; (0, None) without CUDA or torch."""
     try:
@@ -95,6 +110,44 @@ def drop_non_inline_backend() -> None:
     if backend:
         print(f"MPLBACKEND={backend} unset for the kernels: a non-inline backend would drop every figure from "
               "the outputs", flush=True)
+
+
+def emulation_environ(card: str, environ: dict, folder: Path) -> dict:
+    """The kernels' environment for emulating ``card`` (scripts/emulate_t4.py): a copy of ``environ``.
+
+    Writes into ``folder`` the sitecustomize.py that loads the emulation and puts ``folder`` first on
+    PYTHONPATH (this checkout second, so the kernels import its helpers), sets ``GPUBOOK_EMULATE`` and shows
+    the kernels one GPU: the first of ``CUDA_VISIBLE_DEVICES``, else GPU 0 (a T4 reader has one).
+    """
+    if card not in EMULATE_CARDS:
+        raise ValueError(f"unknown card to emulate {card!r}; known: {', '.join(EMULATE_CARDS)}")
+    import emulate_t4
+
+    emulate_t4.write_sitecustomize(folder)
+    env = dict(environ)
+    env[EMULATE_VAR] = card
+    paths = [str(folder), str(ROOT), *(environ.get("PYTHONPATH") or "").split(os.pathsep)]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
+    first = (environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip() or "0"
+    env["CUDA_VISIBLE_DEVICES"] = first
+    return env
+
+
+def emulation_visible(nb) -> bool:
+    """Whether the first code cell's output (the environment report) names an emulated card.
+
+    A kernel started without the emulation (a Python that ignores PYTHONPATH, a sitecustomize that did not
+    load) would run as the big card; its report then names that card alone, and the run must not pass as a T4's.
+    """
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    if not code:
+        return False
+    texts = []
+    for out in code[0].get("outputs", []):
+        texts.append(out.get("text", "") if isinstance(out.get("text", ""), str) else "".join(out["text"]))
+        for value in out.get("data", {}).values():
+            texts.append(value if isinstance(value, str) else "".join(map(str, value)))
+    return "(emulated on " in "\n".join(texts)
 
 
 def chapter_order(chapters: Path = CHAPTERS) -> list[dict]:
@@ -196,7 +249,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=int, default=1200, help="seconds allowed per cell")
     parser.add_argument("--commit", help="the commit these sources are (a machine without git; "
                                          "default: $GPUBOOK_COMMIT, else unknown)")
+    parser.add_argument("--emulate", choices=EMULATE_CARDS,
+                        help="run the single-GPU chapters as on this card (scripts/emulate_t4.py), into --out "
+                             "(default _build/emulate-CARD), never over the committed notebooks")
     args = parser.parse_args(argv)
+
+    in_env = os.environ.get(EMULATE_VAR, "").strip().lower()
+    if in_env and in_env != (args.emulate or ""):
+        print(f"{EMULATE_VAR}={in_env} is set: the kernels would run emulated; pass --emulate {in_env} (which "
+              f"writes into a separate folder) or unset it", file=sys.stderr)
+        return 2
+    if args.emulate:
+        args.out = (args.out or ROOT / "_build" / f"emulate-{args.emulate}").resolve()
+        if args.out == (ROOT / "notebooks").resolve() or any(
+                args.out == p.resolve().parent for p in args.notebooks):
+            print(f"--emulate writes into a folder of its own, not {args.out}: its outputs are not the book's",
+                  file=sys.stderr)
+            return 2
 
     if args.wheels and not os.environ.get("_GPUBOOK_REEXEC"):
         added = install_missing(args.wheels, args.site)
@@ -206,17 +275,22 @@ def main(argv: list[str] | None = None) -> int:
         return subprocess.call([sys.executable, *sys.argv], env=env)
 
     n_gpus, gpu = gpus()
+    if args.emulate and gpu:
+        import emulate_t4
+
+        gpu = emulate_t4.emulated_name(gpu)
     if args.profile == "full" and not n_gpus:
         print("refusing to run the full profile without a CUDA GPU: its outputs are the book's GPU numbers. "
               "On a CPU, use --profile tiny (nothing is written over the committed notebooks unless you ask).",
               file=sys.stderr)
         return 2
     if args.notebooks:
-        todo = [(path, 1) for path in args.notebooks]
+        needs = {c["file"]: c["gpus"] for c in chapter_order()} if args.emulate else {}
+        todo = [(path, needs.get(path.name, 1)) for path in args.notebooks]
     else:
         todo = [(ROOT / "notebooks" / c["file"], c["gpus"]) for c in chapter_order()]
     commit, dirty = provenance([path for path, _ in todo], args.commit, ROOT)
-    if dirty and args.profile == "full":
+    if dirty and args.profile == "full" and not args.emulate:
         print("refusing to stamp outputs from sources that are not in git: commit (or stash) these first, so "
               "the stamp's commit holds what ran:\n  " + "\n  ".join(dirty[:20]), file=sys.stderr)
         return 2
@@ -232,15 +306,29 @@ def main(argv: list[str] | None = None) -> int:
     drop_non_inline_backend()
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
+    check_env = dict(os.environ)  # the hygiene check runs without the emulation
+    if args.emulate:
+        env = emulation_environ(args.emulate, dict(os.environ), Path(tempfile.mkdtemp(prefix="gpubook-emulate-")))
+        os.environ.clear()
+        os.environ.update(env)
+        print(f"{args.emulate.upper()} mode: the kernels run with {EMULATE_VAR}={args.emulate} on GPU "
+              f"{env['CUDA_VISIBLE_DEVICES']}, as {gpu or 'nothing (no GPU here: the emulation changes nothing)'}; "
+              f"outputs -> {args.out}", flush=True)
     status = 0
     written = []
     for path, needs in todo:
+        if args.emulate and needs > 1:
+            print(f"{path.name}: SKIPPED: needs {needs} GPUs; a {args.emulate.upper()} reader has one", flush=True)
+            continue
         if args.profile == "full" and needs > n_gpus:
             print(f"{path.name}: SKIPPED: needs {needs} GPUs, this machine has {n_gpus}", flush=True)
             continue
         out = (args.out / path.name) if args.out else path
         try:
             record = execute(path, out, args.timeout, gpu, args.profile, commit)
+            if args.emulate and n_gpus and not emulation_visible(nbformat_read(out)):
+                raise RuntimeError(f"the environment report of {out} names no emulated card: the kernel ran "
+                                   f"without the {args.emulate.upper()} emulation (its outputs are the big GPU's)")
             record_time(out.parent / TIMES, path.stem, record)
             print(f"{path.name}: executed in {record['wall_s']:.0f} s -> {out}", flush=True)
             written.append(str(out))
@@ -249,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             status = 1
     if not written:
         return status or 1
-    check = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_notebooks.py"), *written])
+    check = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_notebooks.py"), *written], env=check_env)
     return status or check.returncode
 
 
