@@ -490,8 +490,10 @@ def regime_lines(r):
         lines.append(
             f"- **Host-bound: {prose.listing(f'{m} at batch {b}' for m, b in host_bound)}.** There the CPU needs longer "
             f"to issue the step's {min(r.loc[k, 'GPU ops/step'] for k in host_bound):,} or more GPU operations than the "
-            f"GPU needs to run them, and the GPU waits. This host spends {us.min():.0f} to {us.max():.0f} µs per "
-            f"operation (host enqueue time over GPU operations): which configurations land on this side is decided by "
+            f"GPU needs to run them, and the GPU waits. There this host spends "
+            f"{us[host_bound].min():.0f} to {us[host_bound].max():.0f} µs per operation (host enqueue time over GPU "
+            f"operations; in a GPU-bound step that time also counts the CPU waiting on a full launch queue, so it is "
+            f"no launch cost): which configurations land on this side is decided by "
             f"the CPU as much as by the GPU, and a faster host moves the line to smaller batches.")
     else:
         lines.append(
