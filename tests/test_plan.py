@@ -165,7 +165,7 @@ def test_suggest_returns_only_fitting_plans_sorted_by_cost():
     assert not any("bf16" in c.precision for _, c, _, _ in fp16)
 
 
-def test_baselines_have_the_four_estimators():
+def test_baselines_have_the_five_estimators():
     s = plan.Setup(model="bert-large", batch=4, seq=512, precision="fp32")
     b = plan.baselines(s)
     n = plan.shape(s).n_params
@@ -173,6 +173,53 @@ def test_baselines_have_the_four_estimators():
     assert b["accelerate estimate-memory (largest term, batch 1)"] == 16 * n  # fp32: "step" = 4 x the model
     assert b["ZeRO paper model states (16 bytes/param)"] == 16 * n
     assert b["transformer-math: model states + Korthikanti activations"] > 16 * n
+    assert list(b) == list(plan.BASELINE_NAMES) and len(b) == 5
+
+
+# The Ultra-Scale Playbook's formula by hand: (2 + 2 + 4 + 8) bytes per parameter plus
+# m_act = L*seq*bs*h*(34 + 5*n_heads*seq/h); bert-large: N = 335,143,938, L = 24, h = 1024, 16 heads;
+# the 1.3B GPT-NeoX: N = 1,331,810,304, L = 24, h = 2048, 16 heads; both at 8 x 512.
+#   bert-large: 16*335,143,938 = 5,362,303,008; 24*512*8*1024*(34 + 5*16*512/1024 = 74) = 7,449,083,904
+#   the 1.3B:   16*1,331,810,304 = 21,308,964,864; 24*512*8*2048*(34 + 20) = 10,871,635,968
+@pytest.mark.parametrize("model,n,expected", [("bert-large", 335_143_938, 5_362_303_008 + 7_449_083_904),
+                                              ("gpt-neox-1.3b", 1_331_810_304, 21_308_964_864 + 10_871_635_968)])
+def test_playbook_formula_by_hand(model, n, expected):
+    s = plan.Setup(model=model, batch=8, seq=512, precision="bf16-autocast", optimizer="adamw")
+    assert plan.shape(s).n_params == n
+    assert plan.playbook_bytes(s) == expected
+    assert plan.baselines(s)[plan.PLAYBOOK] == expected
+    assert plan.playbook_bytes(s, fp32_grads=True) == expected + 4 * n  # "an additional m_params_fp32 = 4 * N"
+    # the same formula on every attention kernel: the 5*n_heads*seq/h term is kept for SDPA too
+    assert plan.playbook_bytes(s.replace(attention="eager")) == expected
+    # transformer-math drops that term for SDPA: the two columns differ by exactly L*5*a*s^2*b
+    tm = plan.baselines(s)["transformer-math: model states + Korthikanti activations"]
+    assert expected - tm == 24 * 5 * 16 * 512 * 512 * 8
+    assert plan.baselines(s.replace(attention="eager"))["transformer-math: model states + Korthikanti activations"] \
+        == expected
+
+
+def test_baseline_domains_are_mixed_precision_adamw_full_training():
+    S = plan.Setup
+    inside = [S("bert-large", 8, 512, "bf16-autocast", "adamw"), S("bert-large", 8, 512, "fp16-autocast", "adamw-fused"),
+              S("gpt-neox-1.3b", 4, 256, "bf16-autocast", "adamw-fused", attention="eager"),
+              S("gpt-neox-1.3b", 2, 512, "bf16-autocast", "adamw-fused", grad_accum=4)]
+    outside = [S("bert-large", 8, 512, "fp32", "adamw"), S("bert-large", 16, 512, "bf16", "adamw"),
+               S("gpt-neox-1.3b", 4, 256, "fp16", "adamw", attention="eager"),
+               S("bert-large", 64, 128, "bf16-autocast", "adafactor"),
+               S("gpt-neox-1.3b", 4, 256, "bf16-autocast", "adamw8bit"),
+               S("bert-large", 16, 512, "bf16-autocast", "adamw", checkpointing=2),
+               S("gpt-neox-1.3b", 8, 1024, "bf16-autocast", "adamw-fused", checkpointing="full"),
+               S("bert-large", 8, 512, "bf16-autocast", "adamw-fused", lora_rank=8, lora_targets=("query", "value")),
+               S("gpt-neox-1.3b", 4, 256, "bf16", "adamw8bit", lora_rank=8, qlora=True),
+               S("gpt-neox-1.3b", 4, 256, "bf16-autocast", "adamw", zero_stage=2, world_size=2)]
+    for s in inside:
+        d = plan.baseline_domains(s)
+        assert set(d) == set(plan.BASELINE_NAMES) and all(d.values()), s.label()
+    for s in outside:
+        assert not any(plan.baseline_domains(s).values()), s.label()
+    # the validation set's mixed-precision AdamW rows: #5-7, 18-20 and 29
+    rows = [i for i, s in enumerate(plan.VALIDATION_SETUPS, 1) if plan.in_mixed_precision_adamw_domain(s)]
+    assert rows == [5, 6, 7, 18, 19, 20, 29]
 
 
 @pytest.mark.parametrize("argv,msg", [

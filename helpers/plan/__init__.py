@@ -5,7 +5,8 @@ A ``Setup`` names the model (a registry name, a ``config.json`` path or a config
 ZeRO). ``predict`` returns a ``Plan``: the bytes of each component and of each phase of a steady-state
 step, which phase holds the peak, and the chapter that measured each term. ``suggest`` lists the
 cheapest changes that make a setup fit a budget, ``measure`` runs the step on a device and reads the
-allocator, ``baselines`` gives what four published estimators say for the same setup.
+allocator, ``baselines`` gives what five published estimators say for the same setup (``baseline_domains``: the
+rows each claims to cover).
 
 >>> from helpers import plan
 >>> p = plan.predict(plan.Setup(model="gpt-neox-1.3b", batch=4, seq=256, precision="bf16-autocast"))
@@ -35,8 +36,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from helpers.plan.check import (
+    BASELINE_NAMES,
     HELDOUT_GOAL,
+    MIXED_PRECISION_ADAMW,
+    PLAYBOOK,
     VALIDATION_SETUPS,
+    baseline_domains,
     baselines,
     describe_heldout,
     error_summary,
@@ -45,7 +50,9 @@ from helpers.plan.check import (
     heldout_setups,
     heldout_summary,
     heldout_table,
+    in_mixed_precision_adamw_domain,
     measure,
+    playbook_bytes,
 )
 from helpers.plan.predict import GIB, PHASES, Plan, predict
 from helpers.plan.setup import (
@@ -96,7 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 __all__ = [
-    "ACT_COEF_CPU", "ALIASES", "HELDOUT_GOAL", "describe_heldout", "heldout_config", "heldout_setups",
+    "ACT_COEF_CPU", "ALIASES", "BASELINE_NAMES", "HELDOUT_GOAL", "MIXED_PRECISION_ADAMW", "PLAYBOOK",
+    "baseline_domains", "in_mixed_precision_adamw_domain", "playbook_bytes", "describe_heldout", "heldout_config", "heldout_setups",
     "heldout_summary", "heldout_table", "ATTENTIONS", "BNB_MIN_8BIT", "BNB_OPT_BLOCK", "COMPONENTS",
     "DEFAULT_LORA_TARGETS", "DQ_BLOCK", "GIB", "NF4_BLOCK", "OPTIMIZERS", "PHASES",
     "PRECISIONS", "SOURCES", "VALIDATION_SETUPS", "Param", "Plan", "Setup", "Shape", "autocast_copy_bytes",

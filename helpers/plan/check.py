@@ -1,5 +1,5 @@
 """Checking the planner: run a setup on a device and read the allocator (``measure``), the validation set,
-what four published estimators say (``baselines``), and the error table of predicted against measured.
+what five published estimators say (``baselines``), and the error table of predicted against measured.
 
 ``measure`` leaves out what is allocated before the model is built, including the cuBLAS workspaces
 (created by a warm-up matmul in both the forward and the autograd thread), so its peak is the training
@@ -228,8 +228,77 @@ def _train(s: Setup, dev: torch.device, steps: int, seed: int, base: int, where:
 # ---------------------------------------------------------------------------------------------------
 
 
+# The Ultra-Scale Playbook (Tazi et al. 2025, https://huggingface.co/spaces/nanotron/ultrascale-playbook,
+# section "Memory usage in Transformers"), quoted:
+#   "The default nowadays for mixed precision training is to generally use BF16 for most of the computations
+#    - requiring 2 bytes per parameter and gradient - as well as storing an additional copy of the model
+#    weights and gradients in FP32 [...]. In addition to the parameters and gradients, we need to store the
+#    optimizer states; for the Adam optimizer, this requires the momentum and the variance, usually stored in
+#    FP32 for numerical stability, each using 4 bytes."
+#   m_params = 2 * N,  m_grad = 2 * N,  m_params_fp32 = 4 * N,  m_opt = (4+4) * N
+#   "Some libraries store grads in FP32, which would require an additional m_params_fp32 = 4 * N memory."
+#   "we can estimate the total memory required for the activations in mixed precision. We arrive at the
+#    following equation: m_act = L * seq * bs * h * (34 + 5 * n_heads * seq / h)", "L is the number of
+#    layers, seq the sequence length, bs the batch size in samples, h the hidden dimension of the model,
+#    and n_heads the number of heads" (after Korthikanti et al. 2022; bytes).
+PLAYBOOK = "Ultra-Scale Playbook: mixed-precision states + m_act"
+PLAYBOOK_STATE_BYTES_PER_PARAM = 2 + 2 + 4 + (4 + 4)  # m_params + m_grad + m_params_fp32 + m_opt
+PLAYBOOK_FP32_GRAD_BYTES_PER_PARAM = 4  # "an additional m_params_fp32 = 4 * N" when the grads are kept in FP32
+
+# The domain every baseline of this module claims: full-parameter training with Adam(W) in mixed precision
+# (16-bit computation over fp32 master weights: autocast), activations kept without recomputation, on one
+# process. fp32 and pure 16-bit weights, other optimizers, adapters, QLoRA and checkpointing lie outside it.
+MIXED_PRECISION_ADAMW = ("full-parameter mixed-precision (autocast) AdamW rows without adapters, checkpointing "
+                         "or ZeRO")
+
+
+def in_mixed_precision_adamw_domain(s: Setup) -> bool:
+    """True when ``s`` is full-parameter mixed-precision (autocast) AdamW without checkpointing, one process.
+
+    Not used in a chapter directly: part of chapter 10's planner (section 10.2, ``baseline_domains``).
+    """
+    return (s.optimizer in ("adamw", "adamw-fused") and s.precision.endswith("-autocast") and not s.lora_rank
+            and not s.qlora and s.checkpointing in ("none", None, 0) and s.zero_stage == 0 and s.world_size == 1)
+
+
+def playbook_bytes(s: Setup, *, fp32_grads: bool = False) -> int:
+    """The Ultra-Scale Playbook's memory for ``s`` (bytes): its mixed-precision model states plus ``m_act``.
+
+    Model states: ``m_params + m_grad + m_params_fp32 + m_opt = (2 + 2 + 4 + 8) * N`` bytes, and ``4 * N``
+    more with ``fp32_grads`` (the FP32 gradient copy "some libraries", Nanotron among them, keep).
+    Activations: ``m_act = L * seq * bs * h * (34 + 5 * n_heads * seq / h)`` bytes as the Playbook prints it
+    (Korthikanti et al. 2022's formula without recomputation), on every attention kernel: the Playbook
+    notes that FlashAttention "natively integrates" selective recomputation but gives no formula for it;
+    dropping the ``5 * n_heads * seq / h`` term is the transformer-math column of ``baselines``.
+    ``bs`` is the micro-batch (``s.batch``): with accumulation the Playbook's activations are per micro-batch.
+    Nothing else: no temporaries (the loss's logits, the optimizer step's), no key/value cache, no
+    embedding-layer activations, no CUDA context or allocator slack. Its domain is
+    ``in_mixed_precision_adamw_domain``.
+
+    Not used in a chapter directly: part of chapter 10's planner (section 10.2, ``baselines``).
+    """
+    shape = _shape(s)
+    n, L, h, a = shape.n_params, shape.layers, shape.hidden, shape.heads
+    per_param = PLAYBOOK_STATE_BYTES_PER_PARAM + (PLAYBOOK_FP32_GRAD_BYTES_PER_PARAM if fp32_grads else 0)
+    act = L * s.seq * s.batch * (34 * h + 5 * a * s.seq)  # = L*seq*bs*h*(34 + 5*n_heads*seq/h), exact in ints
+    return int(per_param * n + act)
+
+
+def baseline_domains(s: Setup) -> dict[str, bool]:
+    """For each estimator of ``baselines``: whether ``s`` lies in the domain it claims to cover.
+
+    All five describe full-parameter mixed-precision training with Adam(W) on one process, without
+    recomputation (``in_mixed_precision_adamw_domain``); the chapter reports each estimator's error on
+    the rows of its own domain beside its error on every row.
+
+    Introduced in chapter 10, section 10.2.
+    """
+    inside = in_mixed_precision_adamw_domain(s)
+    return {name: inside for name in BASELINE_NAMES}
+
+
 def baselines(s: Setup) -> dict[str, int]:
-    """What four published estimators predict for ``s`` (bytes, per rank):
+    """What five published estimators predict for ``s`` (bytes, per rank):
 
     - ``"4x model size (HF calculator)"``: the Hugging Face model-memory calculator's training rule,
       4 x the model's size in the setup's weight dtype (``estimates.hf_calculator_training_bytes``).
@@ -248,6 +317,11 @@ def baselines(s: Setup) -> dict[str, int]:
     Math 101 does give bytes per parameter for other optimizers (e.g. 8-bit states) and ``2*s*b*h*L``
     for fully recomputed activations; this column uses its mixed-precision AdamW and no-recomputation
     formulas on every setup.
+    - ``PLAYBOOK`` (``"Ultra-Scale Playbook: mixed-precision states + m_act"``): the Ultra-Scale
+      Playbook (Tazi et al. 2025), ``playbook_bytes``: 16 bytes per parameter plus its ``m_act`` with the
+      ``5 * n_heads * seq / h`` term on every row.
+
+    Each claims the domain of ``baseline_domains``.
 
     Introduced in chapter 10, section 10.2.
     """
@@ -268,7 +342,13 @@ def baselines(s: Setup) -> dict[str, int]:
         "accelerate estimate-memory (largest term, batch 1)": int(acc),
         "ZeRO paper model states (16 bytes/param)": int(zero),
         "transformer-math: model states + Korthikanti activations": int(16 * n + act),
+        PLAYBOOK: playbook_bytes(s),
     }
+
+
+BASELINE_NAMES = ("4x model size (HF calculator)", "accelerate estimate-memory (largest term, batch 1)",
+                  "ZeRO paper model states (16 bytes/param)",
+                  "transformer-math: model states + Korthikanti activations", PLAYBOOK)
 
 
 _NEOX_ALL = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
@@ -310,7 +390,7 @@ VALIDATION_SETUPS: list[Setup] = _validation_setups()
 
 
 def error_table(rows: Sequence[tuple[Setup, dict]]) -> pd.DataFrame:
-    """Predicted vs measured peak for each ``(setup, measure(setup))`` pair, with the four baselines.
+    """Predicted vs measured peak for each ``(setup, measure(setup))`` pair, with the five baselines.
 
     Columns: ``setup``, ``family``, ``predicted (GiB)``, ``measured (GiB)``, ``error (%)`` (signed,
     predicted over measured), ``predicted phase``, ``measured phase``, and the signed error of each
