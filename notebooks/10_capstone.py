@@ -19,8 +19,8 @@
 # Every reader of this book eventually asks two questions about their own run: *will my training fit on
 # this GPU*, and *how fast can it go*? The popular tools answer the first one badly. The "four times the
 # model size" rule and `accelerate estimate-memory` leave the [activations](https://gpu-efficient-training.github.io/book/book/glossary.html#activations) out, DeepSpeed's estimator counts
-# only the model states, and the transformer-math formulas count the model states and the activations but
-# not the temporaries of the loss and of the optimizer step. None
+# only the model states, and the transformer-math and Ultra-Scale Playbook formulas count the model states and
+# the activations but not the temporaries of the loss and of the optimizer step. None
 # of them, as far as we know, publishes its error against measured training steps (accelerate's documentation
 # checks its estimate for loading a model only). This chapter puts the book's nine chapters into one
 # tool, a **memory planner** that predicts the peak of a training step term by term, and then does what
@@ -36,7 +36,7 @@
 #   change makes it fit (`helpers.plan`, in Python and from the command line);
 # - how far such a prediction is from the allocator's measured peak on setups the planner was never fitted
 #   to (Llama-, Mistral- and Qwen2-shaped models), then on the thirty-five it was corrected on, and how far
-#   four popular estimators are;
+#   five published estimators are;
 # - how much each speed technique of the book buys, stacked rung by rung, in samples/s, tokens/s, model
 #   FLOP utilisation ([MFU](https://gpu-efficient-training.github.io/book/book/glossary.html#mfu)), memory and [GPU-busy](https://gpu-efficient-training.github.io/book/book/glossary.html#gpu-busy) time, and where the time goes once the ladder ends;
 # - a checklist that sends an out-of-memory error or a slow step to the chapter that fixes it.
@@ -258,7 +258,7 @@ display(Markdown(plan.describe_heldout(heldout_errors)))
 # eager and [SDPA](https://gpu-efficient-training.github.io/book/book/glossary.html#sdpa) attention; LoRA and QLoRA) the notebook runs a few real training steps and reads the
 # allocator's peak (`plan.measure`, which frees everything before it returns), and sets the planner's
 # prediction beside it. (ZeRO is planned with chapter 7's formula and not measured here: it needs several
-# processes.) Four other estimators predict the same rows:
+# processes.) Five other estimators predict the same rows:
 #
 # - **4 × model size**: the Hugging Face model-memory calculator's rule of thumb for training with Adam
 #   ([Hugging Face Accelerate team (2023)](https://gpu-efficient-training.github.io/book/book/references.html)): four times the weights' bytes in the training dtype;
@@ -272,10 +272,21 @@ display(Markdown(plan.describe_heldout(heldout_errors)))
 #   EleutherAI's *Transformer Math 101* ([Anthony et al. (2023)](https://gpu-efficient-training.github.io/book/book/references.html)). The column uses the post's
 #   mixed-precision AdamW states (16 bytes per parameter) and its no-recomputation activation formula (16-bit
 #   activations) on every row; the post also gives bytes per parameter for other optimizers and a formula for
-#   fully recomputed activations, which this column does not use.
+#   fully recomputed activations, which this column does not use. With SDPA it drops the formula's
+#   attention-score term, which a fused attention kernel never stores;
+# - **Ultra-Scale Playbook**: Hugging Face's *Ultra-Scale Playbook* ([Tazi et al. (2025)](https://gpu-efficient-training.github.io/book/book/references.html),
+#   "Memory usage in Transformers"): in mixed precision $m_{params} = 2N$, $m_{grad} = 2N$,
+#   $m_{params\_fp32} = 4N$ and $m_{opt} = (4+4)N$ bytes for $N$ parameters (16 bytes per parameter; "some
+#   libraries store grads in FP32", 4 bytes more, which this column leaves out), plus its activations "in mixed
+#   precision", $m_{act} = L \cdot seq \cdot bs \cdot h \cdot (34 + 5 \cdot n_{heads} \cdot seq / h)$ bytes
+#   (after Korthikanti et al.). The column applies that formula as printed, on every attention kernel: the
+#   Playbook notes that FlashAttention already recomputes the attention scores but gives no formula without
+#   them, and the transformer-math column above is exactly that formula with the term dropped. It counts no
+#   temporaries, no key/value cache and no logits (`plan.playbook_bytes`).
 #
-# The other estimators describe full-parameter, mixed-precision training with Adam: 16-bit copies of fp32
-# master weights, and (Korthikanti's formula) 16-bit activations without recomputation. Rows with adapters,
+# The other estimators describe full-parameter, mixed-precision training with Adam on one GPU: 16-bit copies of
+# fp32 master weights, and (Korthikanti's formula) 16-bit activations without recomputation
+# (`plan.baseline_domains` says, row by row, whether a setup lies inside each one's domain). Rows with adapters,
 # other optimizers, checkpointing, fp32 or pure 16-bit weights are outside what they claim to cover, and their
 # errors there say as much about the domain as about the formula; the rows inside it are the autocast AdamW
 # rows without adapters or checkpointing (#5–7, 18–20 and 29), the ones to read for a fair comparison.
@@ -324,15 +335,19 @@ error_summary = pd.DataFrame({
     "rows under-predicted": (errors[measured_ok] < 0).sum(),
     "rows measured": measured_ok.sum(),
 }).rename_axis("estimator")
-# The domain the other estimators claim: full-parameter, mixed-precision (autocast) AdamW, no checkpointing.
-in_domain = pd.Series({i: s_.optimizer in ("adamw", "adamw-fused") and s_.precision.endswith("autocast")
-                       and not s_.lora_rank and not s_.qlora and s_.checkpointing in ("none", None)
-                       for i, s_ in enumerate(validation_setups, 1)})
+# The domain each other estimator claims (plan.baseline_domains): full-parameter, mixed-precision (autocast)
+# AdamW on one GPU, no checkpointing. Each is judged on the rows of its own domain; the planner on the rows
+# that lie in all of them.
+domains = pd.DataFrame({i: plan.baseline_domains(s_) for i, s_ in enumerate(validation_setups, 1)}).T
+domains = domains.reindex(columns=BASELINES, fill_value=False).astype(bool)
+in_domain = domains.all(axis=1)
 in_domain_ok = measured_ok & in_domain
-DOMAIN_MEDIAN, DOMAIN_MAX = "median |error|, mixed-precision AdamW rows (%)", "max |error|, mixed-precision AdamW rows (%)"
-error_summary[DOMAIN_MEDIAN] = errors[in_domain_ok].abs().median()
-error_summary[DOMAIN_MAX] = errors[in_domain_ok].abs().max()
-error_summary["mixed-precision AdamW rows measured"] = in_domain_ok.sum()
+DOMAIN_MEDIAN, DOMAIN_MAX = "median |error|, rows of its domain (%)", "max |error|, rows of its domain (%)"
+DOMAIN_ROWS = "rows of its domain measured"
+own = pd.DataFrame({"the planner": in_domain_ok, **{name: measured_ok & domains[name] for name in BASELINES}})
+error_summary[DOMAIN_MEDIAN] = pd.Series({c: errors.loc[own[c], c].abs().median() for c in errors.columns})
+error_summary[DOMAIN_MAX] = pd.Series({c: errors.loc[own[c], c].abs().max() for c in errors.columns})
+error_summary[DOMAIN_ROWS] = own.sum()
 planner_median_err_pct = float(error_summary.loc["the planner", "median |error| (%)"])
 planner_max_err_pct = float(error_summary.loc["the planner", "max |error| (%)"])
 error_summary
@@ -345,7 +360,7 @@ if len(ok):
     lo, hi = np.nanmin(plotted[plotted > 0]) / 1.3, np.nanmax(plotted) * 1.3
     ax.fill_between([lo, hi], [lo * 0.9, hi * 0.9], [lo * 1.1, hi * 1.1], color="0.9", label="±10%")
     ax.plot([lo, hi], [lo, hi], "k-", lw=1, label="predicted = measured")
-    for name, marker in zip(BASELINES, ["s", "^", "v", "D"]):
+    for name, marker in zip(BASELINES, ["s", "^", "v", "D", "P"]):
         ax.scatter(ok["measured peak (GiB)"], ok[f"{name} (GiB)"], marker=marker, s=22, alpha=0.6, label=name)
     ax.scatter(ok["measured peak (GiB)"], ok["predicted peak (GiB)"], marker="o", s=40, color="k",
                label="the planner", zorder=5)
@@ -355,10 +370,12 @@ if len(ok):
         axis.set_major_formatter(plt.matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         axis.set_minor_formatter(plt.matplotlib.ticker.NullFormatter())
     ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8)
-    others = error_summary.drop("the planner")[DOMAIN_MEDIAN]
+    others = error_summary.drop("the planner")[DOMAIN_MEDIAN].dropna()
+    others_txt = (f"on the {int(in_domain_ok.sum())} rows of their domain the other {len(others)} estimators by "
+                  f"{others.min():.0f}% to {others.max():.0f}%" if len(others) else
+                  "no measured row lies in the other estimators' domain")
     ax.set_title(f"{len(ok)} in-sample setups: the planner is off by a median of {planner_median_err_pct:.1f}%; "
-                 f"on the {int(in_domain_ok.sum())} rows of their domain the other estimators by "
-                 f"{others.min():.0f}% to {others.max():.0f}%", fontsize=10)
+                 f"{others_txt}", fontsize=10)
 else:
     ax.text(0.5, 0.5, "measured peaks need a GPU", ha="center", va="center", transform=ax.transAxes)
 ax.set_xlabel("measured peak allocated (GiB)")
@@ -375,7 +392,19 @@ WHAT_IT_COUNTS = {
     "transformer": "the column applies the post's mixed-precision AdamW states (16 bytes per parameter) and its "
                    "activations without recomputation to every row (the post also gives other optimizers' bytes and "
                    "2·s·b·h·L for full recomputation), and counts no adapters or temporaries",
+    "Ultra-Scale": "it counts the Playbook's mixed-precision states (16 bytes per parameter) and its m_act as printed, "
+                   "the attention-score term included on every kernel, and no adapters, temporaries, cache or logits",
 }
+def domain_words(name):
+    """The estimator's error on the measured rows of the domain it claims, or why there is none."""
+    n_rows = int(error_summary.loc[name, DOMAIN_ROWS])
+    if n_rows == 0:
+        return "none of the measured rows lies in the domain it claims"
+    rows = "row" if n_rows == 1 else "rows"
+    return (f"on the {n_rows} measured {rows} of the domain it claims: median "
+            f"{error_summary.loc[name, DOMAIN_MEDIAN]:.0f}%, max {error_summary.loc[name, DOMAIN_MAX]:.0f}%")
+
+
 if measured_ok.sum() >= 3:
     sm = error_summary
     worst = errors.loc[measured_ok, "the planner"].abs().idxmax()
@@ -388,16 +417,16 @@ if measured_ok.sum() >= 3:
         f"checked and corrected on, the planner is off by a median of {planner_median_err_pct:.1f}% and at most "
         f"{planner_max_err_pct:.1f}% ({heldout_txt}). "
         f"Its worst row is #{worst}, *{wrow['setup']}*: predicted {wrow['predicted peak (GiB)']:.2f} GiB, measured "
-        f"{wrow['measured peak (GiB)']:.2f} GiB.\n"
+        f"{wrow['measured peak (GiB)']:.2f} GiB.\n",
+        "The other estimators, on every measured row and on the rows of the domain each claims (full-parameter "
+        "mixed-precision AdamW on one GPU, without adapters or checkpointing):\n",
     ]
     for name in BASELINES:
         median_signed = errors.loc[measured_ok, name].median()
         counts = next(v for k, v in WHAT_IT_COUNTS.items() if name.startswith(k))
         lines.append(
             f"- **{name}**: median |error| {sm.loc[name, 'median |error| (%)']:.0f}%, max {sm.loc[name, 'max |error| (%)']:.0f}% "
-            f"(on the {int(sm.loc[name, 'mixed-precision AdamW rows measured'])} mixed-precision AdamW rows without "
-            f"adapters or checkpointing, the domain it claims: median {sm.loc[name, DOMAIN_MEDIAN]:.0f}%, "
-            f"max {sm.loc[name, DOMAIN_MAX]:.0f}%); "
+            f"({domain_words(name)}); "
             f"it predicts less than the measured peak in {int(sm.loc[name, 'rows under-predicted'])} of "
             f"{int(sm.loc[name, 'rows measured'])} rows (median signed error {median_signed:+.0f}%): {counts}.")
     phase_match = (ok["predicted phase"] == ok["measured phase"]).mean()
@@ -1253,7 +1282,7 @@ if recipe_run is not None:
 #
 # - A planner that adds up the terms the book counts and measures predicts a training step's peak memory; section
 #   10.2 publishes its error on held-out setups of three model families it was never fitted to, then on the
-#   in-sample rows, beside four popular estimators that leave out the activations or the temporaries.
+#   in-sample rows, beside five published estimators that leave out the activations or the temporaries.
 # - In this ladder the largest factors were 16-bit autocast and SDPA attention; a larger batch paid where the
 #   guide's batch left the GPU waiting for the CPU (bert-large), hardly where one sequence of 2,048 tokens
 #   already kept it busy (the 1.3B model). What a rung buys depends on what limits the step when it is added: on
@@ -1328,6 +1357,7 @@ if recipe_run is not None:
 #   point and its rungs); the *Model Memory Calculator* and `accelerate estimate-memory`.
 # - [Rajbhandari et al. (2020)](https://gpu-efficient-training.github.io/book/book/references.html), *ZeRO*: the model-state formula. [Korthikanti et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html): the activation
 #   formula, and a published MFU. [Anthony et al. (2023)](https://gpu-efficient-training.github.io/book/book/references.html), *Transformer Math 101*.
+#   [Tazi et al. (2025)](https://gpu-efficient-training.github.io/book/book/references.html), *The Ultra-Scale Playbook*: its memory formulas.
 # - [Chowdhery et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html), *PaLM*, appendix B: the MFU convention and a published MFU. [Dao et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html), *FlashAttention*.
 # - [Ansel et al. (2024)](https://gpu-efficient-training.github.io/book/book/references.html), *PyTorch 2*: `torch.compile`; [PyTorch (2024)](https://gpu-efficient-training.github.io/book/book/references.html), the tutorial on regional compilation.
 # - [Heo (2024)](https://gpu-efficient-training.github.io/book/book/references.html), the LLM book's chapter 5: the 1.3B model on a T4.

@@ -153,3 +153,80 @@ def test_ch10_budget_charges_computing_time_only():
     with pytest.raises(RuntimeError), ns["charged"]():
         raise RuntimeError("a failing experiment is charged too")
     assert ns["_charging_since"] is None
+
+
+def _cell(twin: str, marker: str) -> str:
+    cells = (NOTEBOOKS / twin).read_text().split("# %%")
+    (cell,) = [c for c in cells if marker in c]
+    return cell.split("\n", 1)[1]
+
+
+def _comparison(measured_rows, factor=1.02):
+    """Chapter 10's comparison cells (error summary, figure, sentences) run on CPU over fabricated peaks.
+
+    ``measured_rows``: the validation rows (1-based) given a measured peak of ``factor`` x the prediction; the
+    others stay unmeasured (NaN), as when a run failed or the budget ran out.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from helpers import plan
+
+    shown = []
+    setups = plan.VALIDATION_SETUPS
+    rows = {}
+    for i, s in enumerate(setups, 1):
+        p = plan.predict(s)
+        row = {"setup": s.label(), "predicted peak (GiB)": p.peak_gib, "predicted phase": p.peak_phase,
+               "measured peak (GiB)": p.peak_gib * (factor + 0.001 * (i % 3)) if i in measured_rows else np.nan,
+               "measured phase": p.peak_phase if i in measured_rows else "not measured (CPU)"}
+        for name, b in plan.baselines(s).items():
+            row[f"{name} (GiB)"] = b / plan.GIB
+        rows[i] = row
+    validation = pd.DataFrame(rows).T.rename_axis("#")
+    gib_cols = [c for c in validation.columns if c.endswith("(GiB)")]
+    validation[gib_cols] = validation[gib_cols].astype(float)
+    validation["planner error (%)"] = (validation["predicted peak (GiB)"] / validation["measured peak (GiB)"] - 1) * 100
+    ns = dict(np=np, pd=pd, plt=plt, plan=plan, validation=validation, validation_setups=setups,
+              prof=type("P", (), {"on_gpu": True})(), display=shown.append, Markdown=lambda s: s,
+              heldout_summary={"measured": 0}, planner_heldout_median_err_pct=float("nan"),
+              planner_heldout_max_err_pct=float("nan"))
+    for marker in ("BASELINES = [c[", "fig, ax = plt.subplots(figsize=(10, 6.5))", "def domain_words"):
+        exec(_cell("10_capstone.py", marker), ns)  # noqa: S102
+    ns["title"] = ns["ax"].get_title()
+    plt.close("all")
+    return ns, shown
+
+
+def test_ch10_comparison_with_the_playbook_every_branch():
+    from helpers import plan
+
+    everything = set(range(1, 36))
+    ns, shown = _comparison(everything)
+    sm = ns["error_summary"]
+    assert list(ns["BASELINES"]) == list(plan.BASELINE_NAMES) and plan.PLAYBOOK in sm.index
+    # each estimator judged on the rows of its own domain: the seven mixed-precision AdamW rows
+    assert (sm[ns["DOMAIN_ROWS"]] == 7).all()
+    rows = [5, 6, 7, 18, 19, 20, 29]
+    v = ns["validation"]
+    want = ((v.loc[rows, f"{plan.PLAYBOOK} (GiB)"] / v.loc[rows, "measured peak (GiB)"] - 1) * 100).abs()
+    assert sm.loc[plan.PLAYBOOK, ns["DOMAIN_MEDIAN"]] == pytest.approx(want.median())
+    assert sm.loc[plan.PLAYBOOK, ns["DOMAIN_MAX"]] == pytest.approx(want.max())
+    (text,) = shown
+    assert f"- **{plan.PLAYBOOK}**: median |error|" in text
+    assert "its m_act as printed" in text and text.count("on the 7 measured rows of the domain it claims") == 5
+    assert "the planner is off by a median of" in text and "(full-parameter mixed-precision AdamW on one GPU" in text
+    assert "on the 7 rows of their domain the other 5 estimators by" in ns["title"]
+    assert ns["ax"].get_legend_handles_labels()[1][-6:-1] == list(plan.BASELINE_NAMES)
+    # one measured row in the domain, and none
+    ns, (text,) = _comparison({1, 2, 3, 5})
+    assert text.count("on the 1 measured row of the domain it claims") == 5
+    ns, (text,) = _comparison({1, 2, 3, 4})
+    assert text.count("none of the measured rows lies in the domain it claims") == 5 and "nan%" not in text
+    assert (ns["error_summary"][ns["DOMAIN_ROWS"]] == 0).all()
+    assert ns["title"].endswith("no measured row lies in the other estimators' domain") and "nan" not in ns["title"]
+    # too few measured rows: no sentences
+    ns, shown = _comparison({1, 2})
+    assert shown == []
