@@ -395,8 +395,7 @@ WHAT_IT_COUNTS = {
     "Ultra-Scale": "it counts the Playbook's mixed-precision states (16 bytes per parameter) and its m_act as printed, "
                    "the attention-score term included on every kernel, and no adapters, temporaries, cache or logits",
 }
-def domain_words(name):
-    """The estimator's error on the measured rows of the domain it claims, or why there is none."""
+def domain_words(name):  # the estimator's error on the measured rows of its claimed domain, or why there is none
     n_rows = int(error_summary.loc[name, DOMAIN_ROWS])
     if n_rows == 0:
         return "none of the measured rows lies in the domain it claims"
