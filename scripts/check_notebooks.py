@@ -49,6 +49,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import reader_view  # noqa: E402  (what counts as a relative link to the book's pages)
 import stamps  # noqa: E402  (the content hashes of a chapter)
 
 MAX_NOTEBOOK_BYTES = 2_000_000
@@ -185,17 +186,17 @@ def _text_of(output: dict) -> str:
     return "\n".join(parts)
 
 
-# A link to another page of the book or to a notebook, not absolute: it works on the built site only and breaks in
-# Jupyter and Colab (BOOK_STANDARD: absolute links from notebooks). Checked in every cell's source and output.
-RELATIVE_LINK = re.compile(r"\]\((?!https?://)([^)\s]*\.(?:md|ipynb|html)(?:#[^)\s]*)?)\)")
-
-
 def relative_links(nb: dict) -> list[tuple[int, str]]:
-    """(cell number, link target) of every relative link to a page or notebook, in sources and outputs."""
+    """(cell number, link target) of every relative link to a page or notebook, in sources and outputs.
+
+    Such a link works on the built site only and breaks in Jupyter and Colab (BOOK_STANDARD: absolute links from
+    notebooks). What counts as one is ``reader_view.relative_links``'s rule, which also rewrites markdown links;
+    here it runs on every cell's source and on its outputs (the sentences code cells render).
+    """
     found = []
     for i, cell in enumerate(nb.get("cells", []), start=1):
         texts = ["".join(cell.get("source", ""))] + [_text_of(o) for o in cell.get("outputs", [])]
-        found += [(i, m.group(1)) for text in texts for m in RELATIVE_LINK.finditer(text)]
+        found += [(i, link[2:-1].strip(" <>")) for text in texts for link in reader_view.relative_links(text)]
     return found
 
 

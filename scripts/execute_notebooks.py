@@ -51,6 +51,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import check_notebooks  # noqa: E402  (the text of an output, as the hygiene check reads it)
 import stamps  # noqa: E402  (the content hashes the hygiene check compares)
 
 CHAPTERS = ROOT / "notebooks" / "chapters.json"
@@ -140,14 +141,8 @@ def emulation_visible(nb) -> bool:
     load) would run as the big card; its report then names that card alone, and the run must not pass as a T4's.
     """
     code = [c for c in nb.cells if c.cell_type == "code"]
-    if not code:
-        return False
-    texts = []
-    for out in code[0].get("outputs", []):
-        texts.append(out.get("text", "") if isinstance(out.get("text", ""), str) else "".join(out["text"]))
-        for value in out.get("data", {}).values():
-            texts.append(value if isinstance(value, str) else "".join(map(str, value)))
-    return "(emulated on " in "\n".join(texts)
+    report = "\n".join(check_notebooks._text_of(out) for out in code[0].get("outputs", [])) if code else ""
+    return "(emulated on " in report
 
 
 def chapter_order(chapters: Path = CHAPTERS) -> list[dict]:

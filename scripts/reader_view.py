@@ -54,8 +54,10 @@ RELATIVE_LINK = re.compile(
     r"(?P<frag>#[^)\s>]*)?"
     r"(?=>?[)\s])"
 )
-# Any relative link to the book's pages, in any cell (what tests and --check look for).
-ANY_RELATIVE_BOOK_LINK = re.compile(r"\]\(\s*<?(?:\./)?\.\./book/|\]\(\s*<?(?:\./)?\d\d_[\w-]+\.ipynb")
+# Any relative link to the book's pages, in any cell (what tests, --check and scripts/check_notebooks.py look for):
+# into ../book/, to a sibling chapter, or to any page or notebook (.md, .ipynb, .html) by a non-absolute address.
+ANY_RELATIVE_BOOK_LINK = re.compile(r"\]\(\s*<?(?:\./)?\.\./book/|\]\(\s*<?(?:\./)?\d\d_[\w-]+\.ipynb"
+                                    r"|\]\((?!\s*<?https?://)[^)\s]*\.(?:md|ipynb|html)(?:#[^)\s]*)?\)")
 
 
 def load_config(path: Path = CONFIG) -> dict:
@@ -197,7 +199,7 @@ def absolute_links(markdown: str, site: str) -> str:
 
 def relative_links(source: str) -> list[str]:
     """The relative links to the book's pages or sibling chapters left in a cell's source."""
-    return [source[m.start(): source.find(")", m.end()) + 1] for m in ANY_RELATIVE_BOOK_LINK.finditer(source)]
+    return [source[m.start(): source.find(")", m.start()) + 1] for m in ANY_RELATIVE_BOOK_LINK.finditer(source)]
 
 
 def link_cells(nb, site: str) -> list[str]:

@@ -248,5 +248,7 @@ def test_relative_links_to_pages_fail_absolute_ones_and_code_calls_pass(tmp_path
     assert any("relative link (../book/references.md#hu)" in p for p in problems), problems
     if where == "markdown":
         assert any("relative link (02_dtypes.ipynb#section)" in p for p in problems)
+        assert any("relative link (setup.md)" in p for p in check_notebooks.check(
+            _with_markdown(notebook(tmp_path, [env_cell()]), "The [setup](setup.md) (first) page.")))
     clean = notebook(tmp_path, [env_cell(), (f'text = "{good}"', [])])
     assert check_notebooks.check(_with_markdown(clean, f"See {good}.")) == []
