@@ -29,9 +29,10 @@ clock only; the split into GPU, host and busy time is the point here.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -730,3 +731,45 @@ def comparisons_table(comparisons: dict[Any, Comparison], unit: str = "ms") -> A
                      "baseline GPU busy": c.a.gpu_busy, "candidate GPU busy": c.b.gpu_busy,
                      "rounds": c.rounds, "verdict": c.verdict}
     return pd.DataFrame.from_dict(rows, orient="index")
+
+
+class Budget:
+    """A chapter's time budget that counts computing time only: the seconds spent inside ``charged()`` blocks.
+
+    The time a reader spends between cells is not charged, so reading at human speed skips nothing; a slow GPU
+    or CPU uses the budget up sooner, and the optional experiments that check ``seconds_left()`` before they start
+    skip themselves. A ``charged()`` block inside another counts once (the outer one counts its time), and
+    ``seconds_left()`` inside a block already counts the time that block has run.
+
+    >>> budget = Budget(260)
+    >>> with budget.charged():
+    ...     run_the_experiment()
+    >>> if budget.seconds_left() < 30: ...
+
+    Introduced in chapter 9, section 9.3; chapter 10 uses it too.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        if seconds < 0:
+            raise ValueError(f"a budget needs seconds >= 0, got {seconds}")
+        self.seconds = seconds
+        self.spent_s = 0.0
+        self._since: float | None = None  # the start of the running (outermost) charged block
+
+    @contextlib.contextmanager
+    def charged(self) -> Iterator[None]:
+        """Charge the enclosed block's time to the budget (a nested block counts once, by the outer one)."""
+        if self._since is not None:
+            yield
+            return
+        self._since = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.spent_s += time.perf_counter() - self._since
+            self._since = None
+
+    def seconds_left(self) -> float:
+        """Seconds left of the budget, the running charged block's time included."""
+        running = time.perf_counter() - self._since if self._since is not None else 0.0
+        return self.seconds - self.spent_s - running

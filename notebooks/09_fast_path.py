@@ -61,7 +61,6 @@ from helpers import env
 
 env.quiet()  # warnings without file paths, no progress bars: outputs that read the same everywhere
 
-import contextlib
 import gc
 import math
 import os
@@ -131,23 +130,8 @@ os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-cache-
 # The chapter's time budget: the most expensive experiments (compilations) start only if the experiments before them
 # left enough of it. It counts the seconds spent computing inside `charged()` blocks, not the time a reader spends
 # between cells, so reading at human speed skips nothing; a slow GPU or CPU can skip rows, and the text says which.
-BUDGET_S = 260
-spent_s = 0.0
-
-
-@contextlib.contextmanager
-def charged():
-    """Charge the computing time of the enclosed block to the chapter's budget."""
-    global spent_s
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        spent_s += time.perf_counter() - t0
-
-
-def seconds_left():
-    return BUDGET_S - spent_s
+budget = timing.Budget(260)
+charged, seconds_left = budget.charged, budget.seconds_left  # the two calls the sections below make
 
 
 findings, finding_cmps = [], []  # one row per comparison, and the comparison: the closing table of section 9.7
@@ -1217,30 +1201,29 @@ else:
     layer_cfg = models.config("bert-large-uncased")
     layer = BertLayer(layer_cfg).to(dev).eval()
     rows, explained = {}, None
-    t_start = time.perf_counter()  # charged to the budget below
-    try:
-        for dynamic in (False, None, True):
+    with charged():
+        try:
+            for dynamic in (False, None, True):
+                torch._dynamo.reset()
+                counter = CompileCounterWithBackend("inductor")
+                layer_c = torch.compile(layer, backend=counter, dynamic=dynamic)
+                for s in (128, 256, 512):
+                    x = torch.randn(8, s, layer_cfg.hidden_size, device=dev)
+                    with torch.no_grad(), torch.autocast("cuda", dtype=AMP):
+                        before = counter.frame_count
+                        measure.synchronize(dev)
+                        t0 = time.perf_counter()
+                        layer_c(x)
+                        measure.synchronize(dev)
+                    rows[(f"dynamic={dynamic}", s)] = {"compiled a graph": counter.frame_count > before,
+                                                       "first call (s)": time.perf_counter() - t0,
+                                                       "graphs compiled for this setting": counter.frame_count}
+            recompiles = pd.DataFrame(rows).T.rename_axis(["setting", "seq len"])
             torch._dynamo.reset()
-            counter = CompileCounterWithBackend("inductor")
-            layer_c = torch.compile(layer, backend=counter, dynamic=dynamic)
-            for s in (128, 256, 512):
-                x = torch.randn(8, s, layer_cfg.hidden_size, device=dev)
-                with torch.no_grad(), torch.autocast("cuda", dtype=AMP):
-                    before = counter.frame_count
-                    measure.synchronize(dev)
-                    t0 = time.perf_counter()
-                    layer_c(x)
-                    measure.synchronize(dev)
-                rows[(f"dynamic={dynamic}", s)] = {"compiled a graph": counter.frame_count > before,
-                                                   "first call (s)": time.perf_counter() - t0,
-                                                   "graphs compiled for this setting": counter.frame_count}
-        recompiles = pd.DataFrame(rows).T.rename_axis(["setting", "seq len"])
-        torch._dynamo.reset()
-        with torch.no_grad(), torch.autocast("cuda", dtype=AMP):
-            explained = torch._dynamo.explain(layer)(torch.randn(8, 512, layer_cfg.hidden_size, device=dev))
-    except Exception as err:  # a compiler that cannot run here is a result too
-        print(f"compilation failed: {type(err).__name__}: {str(err).splitlines()[0][:120]}")
-    spent_s += time.perf_counter() - t_start
+            with torch.no_grad(), torch.autocast("cuda", dtype=AMP):
+                explained = torch._dynamo.explain(layer)(torch.randn(8, 512, layer_cfg.hidden_size, device=dev))
+        except Exception as err:  # a compiler that cannot run here is a result too
+            print(f"compilation failed: {type(err).__name__}: {str(err).splitlines()[0][:120]}")
     torch._dynamo.reset()
     cleanup.free(globals(), "layer", "layer_c", "x")
     if recompiles is not None:

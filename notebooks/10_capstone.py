@@ -57,7 +57,6 @@ from helpers import env
 
 env.quiet()  # warnings without file paths, no progress bars: outputs that read the same everywhere
 
-import contextlib
 import logging
 import re
 import time
@@ -98,25 +97,9 @@ dev = prof.device
 CHAPTER_BUDGET_S = prof.pick(tiny=600.0, full=620.0)
 LADDER_RESERVE_S = prof.pick(tiny=150.0, full=400.0)  # section 10.3's speed ladder, its two compile rungs included
 MFU_GOAL = {"bert-large-uncased": 42, "polyglot-ko-1.3b": 45}  # the ladder's goals (% MFU), set before it ran
-spent_s, _charging_since = 0.0, None  # computing time charged to the budget; the start of the running charge
-
-
-@contextlib.contextmanager
-def charged():
-    """Charge the computing time of the enclosed block to the chapter's budget (a nested block counts once).
-
-    Only these blocks count, not the time a reader spends between cells: reading at human speed skips nothing.
-    """
-    global spent_s, _charging_since
-    if _charging_since is not None:  # inside another charged block: that one counts the time
-        yield
-        return
-    _charging_since = time.perf_counter()
-    try:
-        yield
-    finally:
-        spent_s += time.perf_counter() - _charging_since
-        _charging_since = None
+# the experiments charge their computing time to the budget (timing.Budget): reading between cells is not charged
+budget = timing.Budget(CHAPTER_BUDGET_S)
+charged, seconds_left = budget.charged, budget.seconds_left  # the two calls the sections below make
 
 
 def one_line(err):
@@ -125,10 +108,6 @@ def one_line(err):
     return re.sub(r"(/[\w.\-]+)+", "<path>", f"{type(err).__name__}: {text}")[:160]
 
 
-def seconds_left():
-    """Seconds left of the chapter's time budget (optional experiments check it before they start)."""
-    running = time.perf_counter() - _charging_since if _charging_since is not None else 0.0
-    return CHAPTER_BUDGET_S - spent_s - running
 
 
 cap = gpus.capability()

@@ -128,31 +128,27 @@ def test_ch10_ladder_sentences_every_branch():
     assert ns["climb_product"]({}, labels[0]) == (1.0, 1.0, 1.0)
 
 
-def test_ch10_budget_charges_computing_time_only():
-    """Chapter 10's budget counts the charged blocks (nested ones once), not the time between cells."""
-    import ast
-    import contextlib
-    import re
+def test_budget_charges_computing_time_only():
+    """timing.Budget (chapters 9 and 10): charged blocks count, nested ones once; time between cells does not."""
     import time
 
-    lines = (NOTEBOOKS / "10_capstone.py").read_text().split("\n")
-    tree = ast.parse("\n".join(re.sub(r"^(\s*)# %(pip|%).*", r"\1pass", line) for line in lines))
-    wanted = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in ("charged", "seconds_left")]
-    assert len(wanted) == 2
-    ns = {"contextlib": contextlib, "time": time, "CHAPTER_BUDGET_S": 100.0, "spent_s": 0.0, "_charging_since": None}
-    exec(compile(ast.Module(body=wanted, type_ignores=[]), "10_capstone.py", "exec"), ns)  # noqa: S102
+    budget = timing.Budget(100.0)
     time.sleep(0.05)  # a reader between cells: not charged
-    assert ns["seconds_left"]() == 100.0
-    with ns["charged"]():
+    assert budget.seconds_left() == 100.0
+    with budget.charged():
         time.sleep(0.05)
-        with ns["charged"]():  # nested: counted once, by the outer block
+        with budget.charged():  # nested: counted once, by the outer block
             time.sleep(0.05)
-        inside = ns["seconds_left"]()
+        inside = budget.seconds_left()
         assert 99.85 < inside <= 99.9  # the running block counts while it runs
-    assert 0.1 <= ns["spent_s"] < 0.15 and ns["_charging_since"] is None
-    with pytest.raises(RuntimeError), ns["charged"]():
+    assert 0.1 <= budget.spent_s < 0.15 and budget._since is None
+    with pytest.raises(RuntimeError), budget.charged():
         raise RuntimeError("a failing experiment is charged too")
-    assert ns["_charging_since"] is None
+    assert budget._since is None and budget.spent_s >= 0.1
+    with pytest.raises(ValueError):
+        timing.Budget(-1)
+    src = (NOTEBOOKS / "09_fast_path.py").read_text() + (NOTEBOOKS / "10_capstone.py").read_text()
+    assert src.count("timing.Budget(") == 2 and "spent_s +=" not in src  # both chapters use the one budget
 
 
 def _cell(twin: str, marker: str) -> str:
