@@ -1108,16 +1108,12 @@ def optimizer_speed_text(cmps, n_tensors, margin=0.10):
             + "; ".join(parts) + ". ")
     if per_tensor:
         busy = [cmps[n].b.gpu_busy for n in per_tensor]
+        share = f"{min(busy):.0%}" if f"{min(busy):.0%}" == f"{max(busy):.0%}" else f"between {min(busy):.0%} and {max(busy):.0%}"
         text += (f"{prose.listing(per_tensor)} issue at least one GPU operation (or a Python loop iteration) per "
-                 f"weight tensor, {n_tensors:,} of them in bert-large, and kept the GPU busy "
-                 + (f"{min(busy):.0%}" if f"{min(busy):.0%}" == f"{max(busy):.0%}" else
-                    f"between {min(busy):.0%} and {max(busy):.0%}")
-                 + " of their step: their time is mostly the host's "
-                 "launches, so the reader's CPU decides it as much as the GPU. "
-                 if max(busy) < timing.HOST_BOUND_BUSY else
-                 f"{prose.listing(per_tensor)} issue at least one GPU operation (or a Python loop iteration) per "
-                 f"weight tensor, {n_tensors:,} of them in bert-large; on a slower CPU than this one their launches "
-                 "would set their time. ")
+                 f"weight tensor, {n_tensors:,} of them in bert-large"
+                 + (f", and kept the GPU busy {share} of their step: their time is mostly the host's launches, so the "
+                    "reader's CPU decides it as much as the GPU. " if max(busy) < timing.HOST_BOUND_BUSY else
+                    "; on a slower CPU than this one their launches would set their time. "))
     return text
 
 
