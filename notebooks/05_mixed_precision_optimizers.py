@@ -532,11 +532,13 @@ if "fp16" in conv:
 display(Markdown(text))
 
 # %% [markdown]
-# **Speed, and what limits it.** The table below is `time_it`'s verdict for each recipe at both sizes: the median
+# **Speed, and what limits it.** The table below is `time_it`'s reading of each recipe at both sizes: the median
 # wall time of a step and its interquartile range (IQR), the host enqueue time (how long the CPU needed to issue the
 # step's work), the GPU-busy fraction (the share of the wall time in which some kernel ran), the number of GPU
 # operations per step, their total GPU kernel time, the GPU time of the copy kernels, which include every dtype cast
-# autocast makes, and the peak allocated memory at each size (GPU only). Those rows were timed one recipe after the
+# autocast makes, and the peak allocated memory at each size (GPU only). It gives the GPU-busy share without a
+# host-bound/GPU-bound word: a row near a band's edge (fp32's small step lands between 80% and 95% busy) would
+# change its word from one run to the next, while the share says what it is. Those rows were timed one recipe after the
 # other, as separate blocks. The comparisons the text draws come from `timing.interleaved` (chapter 8) instead: one
 # fp32 bert-large and its AdamW, each recipe's step (`steps.make_step`, with the autocast dtype and, for fp16, a
 # `GradScaler`; TF32 switched on, untimed, before each of its samples) alternating with fp32's in rounds, and the
@@ -553,7 +555,7 @@ for r, v in runs.items():
     for size, t, peak_gib in ((f"{kw_batch} x {kw_seq}", v["t_small"], v["peak_gib"]),
                               (f"{big_batch} x {big_seq}", v["t_big"], v["big_peak_gib"])):
         if t is None:
-            speed_rows[(size, r)] = {"verdict": "out of memory"}
+            speed_rows[(size, r)] = {"note": "out of memory"}
             continue
         row = t.summary() | {"peak allocated (GiB)": peak_gib}
         if t.profile is not None:
@@ -562,7 +564,7 @@ for r, v in runs.items():
         speed_rows[(size, r)] = row
 speed = pd.DataFrame(speed_rows).T
 speed_cols = [c for c in ("wall median (ms)", "wall IQR (ms)", "host enqueue median (ms)", "GPU busy", "GPU ops per call",
-                          "GPU kernel time (ms)", "copy and cast kernels (ms)", "peak allocated (GiB)", "verdict")
+                          "GPU kernel time (ms)", "copy and cast kernels (ms)", "peak allocated (GiB)", "note")
               if c in speed.columns]
 speed[speed_cols]
 
