@@ -1432,7 +1432,7 @@ else:
 #
 #    <details><summary>Answer</summary>
 #
-#    About halfway in both: roughly half of the memory saving of full-block recomputation, at roughly half of its time overhead. Where the GPU is the limit that is half of one extra forward pass (about a sixth of a forward and backward pass instead of a third); section 4.4 times its stack at a batch where the GPU is busy nearly all the time, so expect about half of the overhead it measured there for whole blocks. At a small, [host-bound](https://gpu-efficient-training.github.io/book/book/glossary.html#host-bound) batch the overhead of either would be larger than the FLOPs say (section 4.3's 1.3B rows), and so would its half.
+#    About halfway in both: roughly half of the memory saving of full-block recomputation, at roughly half of its time overhead. Where the GPU is the limit that is half of one extra forward pass (about a sixth of a forward and backward pass instead of a third); section 4.4 times its stack at a batch where the GPU is busy nearly all the time, so expect about half of the overhead it measured there for whole blocks. (The checker asks for the FLOP rule's sixth; half of the measured whole-block overhead can come out a little lower, where the backward pass costs more than two forward passes, as a fused attention kernel's does.) At a small, [host-bound](https://gpu-efficient-training.github.io/book/book/glossary.html#host-bound) batch the overhead of either would be larger than the FLOPs say (section 4.3's 1.3B rows), and so would its half.
 #
 #    </details>
 #
