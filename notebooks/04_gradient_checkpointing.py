@@ -480,8 +480,8 @@ freed = cleanup.free(globals(), "block", "block_x", "plain_grads", "ckpt_grads",
 # chapter 3 in the sources' setups: bert-large in fp32 at 512 tokens, and the 1.3B GPT-NeoX with fp16 weights,
 # eager attention and 256 tokens: bert-large at batches 8 to 32, the 1.3B model at 4 to 32. The 1.3B model's small
 # batches are host-bound on purpose (chapter 3's picture of a host-bound step); bert-large's batch 4 is left out
-# because its checkpointed step sits at the edge (the GPU busy 81% of it in one H100 run, 98% in another), where the
-# host's speed, not checkpointing, would decide the cost. For each batch size, with and without checkpointing: the [peak allocated](https://gpu-efficient-training.github.io/book/book/glossary.html#peak-allocated-memory)
+# because its checkpointed step sits at the edge between host-bound and [GPU-bound](https://gpu-efficient-training.github.io/book/book/glossary.html#gpu-bound) (two H100 runs put it on either
+# side), where the host's speed, not checkpointing, would decide the cost. For each batch size, with and without checkpointing: the [peak allocated](https://gpu-efficient-training.github.io/book/book/glossary.html#peak-allocated-memory)
 # memory of a training step and its time, with `time_it` (ten steps after a warm-up step, their spread, the GPU
 # kernel time and the GPU-busy fraction from two profiled steps). What checkpointing costs is then measured with
 # `timing.interleaved` (chapter 8): the plain and the checkpointed step in alternating rounds on the same model and
@@ -614,7 +614,9 @@ def overhead_columns(summary, cmps, tolerance=5.0):
 # cost? The time overhead is the interleaved comparison's: the median of the per-round ratios, checkpointed over
 # plain, with its 95% interval. A prediction that lies within 5 points of that interval counts as agreement (the
 # prediction itself is only good to a few points); "checkpointed vs plain" is the comparison's verdict, which says
-# slower or faster only when the whole interval lies beyond ±3%.
+# slower or faster only when the whole interval lies beyond ±3%. The two GPU-busy columns of this table come from the
+# alternating rounds' own profiled steps, so they can differ by a few points from the table above, where `time_it`
+# measured each configuration on its own.
 
 # %%
 plain = gc_table.xs(False, level="checkpointing")
@@ -701,8 +703,22 @@ else:
 # forward and backward time (the backward pass does two matrix products for each one of the forward pass,
 # chapter 1). The optimizer step, the embeddings, the output head and the loss are not repeated, so by this
 # count the whole step slows down by a third at most. Real backward passes are not exactly twice their forward
-# pass (kernels differ in efficiency), so the layers' forward pass can measure a little more than a third of a
-# step. The prediction of each configuration is therefore its own measured forward pass of the layers:
+# pass (kernels differ in efficiency: a fused attention kernel's backward, for one, recomputes its score tiles), so
+# the layers' forward pass can measure a little more or a little less than a third of a step. The prediction of
+# each configuration is therefore its own measured forward pass of the layers.
+#
+# That prediction is an upper bound, and for one of our two models it overshoots. PyTorch's non-reentrant checkpoint
+# stops recomputing a layer as soon as it has rebuilt every tensor the layer saved for backward (its *early stop*,
+# on by default; a forward pass run inside `with torch.utils.checkpoint.set_checkpoint_early_stop(False):` turns it
+# off), and an operation saves its inputs before it runs. A BERT layer ends in a LayerNorm, which also saves two of
+# its own outputs (the mean and the inverse standard deviation), so the whole layer runs again. The GPT-NeoX layer
+# (parallel residual) ends, after its attention half, with the MLP's output product, which saves only its input:
+# recomputation stops just before that product, $8h^2$ of the layer's $24h^2 + 4sh$ matrix-product FLOPs per token,
+# about a third at the 1.3B model's sizes. A count of every matrix product in the backward pass (a PyTorch dispatch
+# mode, on a CPU, with two of the 1.3B model's layers) agrees: with the early stop the recomputation redoes two
+# thirds of the layers' forward products, without it all of them; for bert-large all of them either way. So for the
+# 1.3B model expect checkpointing to add about two thirds to three quarters of its layers' forward GPU work (the
+# element-wise kernels before that product are all rerun), not a whole forward pass:
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(11, 4.6), sharey=True)
@@ -1357,7 +1373,8 @@ else:
 # from torch.utils.checkpoint import checkpoint
 #
 # model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-# # (transformers releases that have activation_checkpointing_enable(...) keep this name as a deprecated alias)
+# # (transformers releases that have activation_checkpointing_enable(...), 5.23 for one, keep this name as a
+# # deprecated alias that warns; there: model.activation_checkpointing_enable({"use_reentrant": False}))
 # model.config.use_cache = False  # generation caches are useless, and in the way, during training
 #
 # # in your own nn.Module's forward:
@@ -1408,13 +1425,14 @@ else:
 #
 #    <details><summary>Hint</summary>
 #
-#    Half the blocks keep their activations and half recompute.
+#    Half the blocks keep their activations and half recompute. (For a transformers model, releases whose
+#    `activation_checkpointing_enable` takes `every_n_layers`, 5.23 for one, do the same with `every_n_layers=2`.)
 #
 #    </details>
 #
 #    <details><summary>Answer</summary>
 #
-#    About halfway in both: roughly half of the memory saving of full-block recomputation, at roughly half of its time overhead. Where the GPU is the limit that is half of one extra forward pass (about a sixth of a forward and backward pass instead of a third); section 4.4 times its stack at a batch where the GPU is busy nearly all the time, so expect about half of the overhead it measured there for whole blocks. At a small, [host-bound](https://gpu-efficient-training.github.io/book/book/glossary.html#host-bound) batch the overhead of either would be larger than the FLOPs say (section 4.3's 1.3B rows), and so would its half.
+#    About halfway in both: roughly half of the memory saving of full-block recomputation, at roughly half of its time overhead. Where the GPU is the limit that is half of one extra forward pass (about a sixth of a forward and backward pass instead of a third); section 4.4 times its stack at a batch where the GPU is busy nearly all the time, so expect about half of the overhead it measured there for whole blocks. (The checker asks for the FLOP rule's sixth; half of the measured whole-block overhead can come out a little lower, where the backward pass costs more than two forward passes, as a fused attention kernel's does.) At a small, [host-bound](https://gpu-efficient-training.github.io/book/book/glossary.html#host-bound) batch the overhead of either would be larger than the FLOPs say (section 4.3's 1.3B rows), and so would its half.
 #
 #    </details>
 #
@@ -1429,7 +1447,7 @@ else:
 #
 #    <details><summary>Answer</summary>
 #
-#    With the reentrant version the output does not require gradients (PyTorch warns that none of the inputs have `requires_grad=True`) and the block's weights get no gradients at all. The non-reentrant version records the graph through the weights themselves, so their gradients are computed.
+#    With the reentrant version the checkpointed output does not require gradients: PyTorch warns "None of the inputs have requires_grad=True. Gradients will be None". With the whole block checkpointed, as in section 4.2, nothing in the loss requires gradients, and `backward()` fails with "element 0 of tensors does not require grad and does not have a grad_fn". With only the attention half checkpointed (`recompute = "attention"`), the step runs, but the attention weights silently get no gradients (`.grad` stays `None`) while the MLP's are computed. The non-reentrant version records the graph through the weights themselves, so their gradients are computed in every case.
 #
 #    </details>
 #

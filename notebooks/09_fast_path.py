@@ -21,7 +21,7 @@
 # on others, and some cost something (compile time, memory, recompilations). This chapter measures every
 # switch on the book's two models with chapter 8's instruments, each against its own baseline in alternating
 # rounds of the same run, and reports the speed-up *with its 95% interval*: a difference that the interval does
-# not put beyond ±3% is called no difference. Each switch is measured where its effect is physical: a change on
+# not put beyond ±3% is called *no practical difference*. Each switch is measured where its effect is physical: a change on
 # the GPU's side at a size that keeps the GPU busy, with the GPU's own kernel time beside the wall clock; a change
 # on the host's side where the host is the limit, saying what this machine's CPU costs per launch. Where a
 # switch made a step slower, the chapter says so and shows what the profiler recorded for both.
@@ -1789,8 +1789,8 @@ _ = cleanup.free(globals(), "tok_ds", "probe_ds")
 # speed up PyTorch" post), each timed interleaved against its own baseline on the same model, bert-large with
 # 512-token sequences in 16-bit autocast (bf16, or fp16 on a GPU without bf16). These are changes on the GPU's side,
 # so they are measured where the GPU, not the host, sets the pace: at batch 32 on a GPU with room for it (a step
-# that kept an H100 busy about nine tenths of the time or more; the closing table gives each row's baseline GPU-busy
-# fraction), at batch 8 on a smaller one (which is slower, and so
+# that keeps an H100 busy most of the time; the closing table gives each row's baseline GPU-busy fraction), at
+# batch 8 on a smaller one (which is slower, and so
 # busy at batch 8 already). Each row also gives the kernel-time speed-up, the change in the GPU's own work, which
 # does not depend on the host. Fused AdamW and `set_to_none` change a few percent of a step, close to the ±3%
 # threshold, so they get 30 rounds instead of 15: a narrower interval, and a verdict that does not change between runs.
@@ -1966,11 +1966,15 @@ else:
 # speed-up with its 95% interval, the kernel-time speed-up (the GPU's own work), how busy the baseline kept the
 # GPU and what limited it, and the verdict (*faster* or *slower* only when the whole interval lies beyond ±3%;
 # section 9.2's padding rows and section 9.3's compile rows are judged by their kernel-time speed-up, as the
-# column "judged on" says).
+# column "judged on" says). The kernel-time speed-up has no interval: it is the ratio of the two sides' kernel time
+# per call, from a few profiled calls of each, which leaves out the host's gaps, and the ±3% rule is applied to that
+# one ratio. So where the sentence under the chart counts the rows that were faster "beyond ±3%", a row judged on
+# kernel time counts by its kernel time; its wall-clock interval, in the "95% interval" column, can still
+# include 1.
 # A row whose baseline is host-bound measures the host as much as the technique: on another CPU its number differs.
 # In the chart under the table, a point's colour is the row's verdict (green faster, red slower, grey no practical
-# difference), and for the two padding rows that is the kernel-time verdict, while the point and its whiskers are
-# the wall clock's: a green point can sit at 1×. On this log axis the grey ±3% band can be too narrow to see.
+# difference), and for the rows judged on kernel time (padding and compilation) that is the kernel-time verdict,
+# while the point and its whiskers are the wall clock's: a green point can sit at 1×. On this log axis the grey ±3% band can be too narrow to see.
 
 # %%
 closing = pd.DataFrame(findings).set_index(["technique", "model"]) if findings else pd.DataFrame()
@@ -2031,7 +2035,10 @@ if findings:
 # 9.3's table says which ran), and `torch.compile` is measured per layer only, with the optimizer step eager in
 # every row (exercise 2 compiles the optimizer); CUDA graphs, data loading and the free wins were measured on
 # bert-large only. The attention kernel can also differ between rows: sections 9.3 and 9.4 show which kernel each
-# compiled or captured step ran.
+# compiled or captured step ran. Rows that name the same baseline (the two CUDA-graph rows; the two data-loading
+# rows against the batches already on the GPU) timed it separately, each in its own alternating rounds: on a host
+# whose speed drifts, the two baselines' medians can differ, so compare such rows through the candidates' own
+# times or a comparison of the two candidates, not by dividing their speed-ups.
 
 # %% [markdown]
 # ### The checklist, in the order to try things
