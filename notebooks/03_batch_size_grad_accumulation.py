@@ -312,7 +312,7 @@ else:
 # %% [markdown]
 # A step is *[host-bound](https://gpu-efficient-training.github.io/book/book/glossary.html#host-bound)* when the CPU needs longer to issue its kernels than the GPU needs to run them:
 # Python, the dispatcher and a few thousand kernel launches per step set the time, and a larger batch makes
-# each kernel longer without adding launches. That is why the step time can stay flat while the batch grows,
+# each kernel longer without adding many launches. That is why the step time can stay flat while the batch grows,
 # and why throughput then grows almost in proportion. Once the GPU is busy nearly all the time, more samples
 # per step cost proportionally more time and throughput flattens. Chapter 8 profiles this regime in detail.
 # Below the flat part, gradient accumulation cannot help either: it runs the small batch's kernels several

@@ -977,7 +977,7 @@ else:
 # **Selective checkpointing.** [Korthikanti et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html) observe that the parts of a transformer layer
 # that store the most are not the parts that compute the most: the attention matrix, its softmax and dropout (the
 # $5as^2b$ bytes of chapter 1's formula) cost few FLOPs and many bytes. They recompute only those. A fused
-# attention kernel already does exactly that: FlashAttention ([Dao et al., 2022](https://gpu-efficient-training.github.io/book/book/references.html)) and PyTorch's SDPA with its
+# attention kernel already does exactly that: FlashAttention of [Dao et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html) and PyTorch's SDPA with its
 # flash or memory-efficient kernel never store the matrix and rebuild it in the backward pass. SDPA's math
 # fallback, which it uses when no fused kernel supports the inputs (bf16 below compute capability 8.0, for
 # one), stores it like eager attention; the stack below uses `gpus.amp_dtype()` (fp16 on such GPUs) and checks
