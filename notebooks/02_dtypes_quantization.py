@@ -766,9 +766,10 @@ fig.tight_layout()
 # %% [markdown]
 # The grids differ most where most weights are, near zero. NF4 has seven or eight levels on each side of zero, with gaps
 # that grow smoothly towards the tails, following the normal distribution. FP4 spends a code on one tiny value
-# next to zero and then leaves a hole up to its next level, as wide as its gaps around ±0.5; its
-# finest spacing lies further out, where fewer weights are (bitsandbytes' FP4 also has a positive and a negative
-# zero, so it has only 15 distinct values). Every weight in the hole is rounded to almost zero or to the hole's
+# next to zero (±0.0052) and then leaves a hole up to its next level (±0.1667), about as wide as its gaps around
+# ±0.5; apart from that first tiny step, its finest spacing (from ±0.1667 through ±0.2500 to ±0.3333) lies further
+# out, where fewer weights are (bitsandbytes' FP4 also has a positive and a negative zero, so it has only 15
+# distinct values). Every weight in the hole is rounded to almost zero or to the hole's
 # edge: that, more than the powers of two, is why FP4 should lose to NF4 on normal weights. We build each format from the same
 # 16-bit weight matrix at a realistic shape (bf16, or fp16 on a GPU below compute capability 8.0), and compare
 # storage, output error against the 16-bit layer, and speed.

@@ -38,7 +38,7 @@
 #
 # **Prerequisites:** chapter 1 (the four memory numbers, activations, the [emulated T4](https://gpu-efficient-training.github.io/book/book/glossary.html#emulated-t4)). The
 # [setup page](https://gpu-efficient-training.github.io/book/book/setup.html) explains the run profiles. Sentences that quote numbers are written by the
-# notebook from its own run, so on your machine they describe your run (the first output names the GPU).
+# notebook from its own run (the first output names the GPU).
 
 # %%
 import sys
@@ -89,10 +89,10 @@ prof = env.start()  # plot style, number format, run profile; the table below na
 # dtype so that cuBLAS is loaded. The allocated memory at this point is the chapter's baseline: the last cell
 # checks that the chapter gives everything back. Speed is measured with chapter 8's `timing.time_it` (warm-up,
 # at least ten repeats with their spread, wall, host and GPU clocks, and the fraction of the time the GPU was
-# busy), which this chapter uses before chapter 8 explains it in full. Where the text says one configuration is
-# faster or slower than another, the two are timed with `timing.interleaved`: in alternating rounds (A, B, B, A,
-# ...), so that a host whose speed drifts moves both alike; the speed-up is the median of the per-round ratios with
-# its 95% interval, and it counts as faster or slower only when the whole interval lies beyond ±3%.
+# busy), which this chapter uses before chapter 8 explains it in full. Where the text calls one configuration
+# faster or slower than another, the two ran with `timing.interleaved`, in alternating rounds (A, B, B, A, ...) so
+# that a drifting host moves both alike: the speed-up is the median of the per-round ratios, and it counts only when
+# its whole 95% interval lies beyond ±3%. Later chapters compare the same way.
 
 # %%
 from IPython.display import Markdown, display
@@ -146,8 +146,8 @@ make_batch = functools.partial(steps.batch_of, SETUPS, device=prof.device)  # ma
 #
 # The sweep doubles the batch until throughput stops growing (two doublings in a row that each add less than
 # 5%), memory runs out (shown as a marker), the batch reaches the sweep's largest, or the next point would
-# overrun the section's time budget. The sweep's points are timed one after the other; the one comparison the
-# text draws, batch 1 against batch 4, is timed again with `timing.interleaved`, as the introduction explains.
+# overrun the section's time budget. The one comparison the text draws, batch 1 against batch 4, is timed again
+# with `timing.interleaved`.
 
 # %%
 def measure_batch(name, model, optimizer, batch_size):
@@ -312,7 +312,7 @@ else:
 # %% [markdown]
 # A step is *[host-bound](https://gpu-efficient-training.github.io/book/book/glossary.html#host-bound)* when the CPU needs longer to issue its kernels than the GPU needs to run them:
 # Python, the dispatcher and a few thousand kernel launches per step set the time, and a larger batch makes
-# each kernel longer without adding launches. That is why the step time can stay flat while the batch grows,
+# each kernel longer without adding many launches. That is why the step time can stay flat while the batch grows,
 # and why throughput then grows almost in proportion. Once the GPU is busy nearly all the time, more samples
 # per step cost proportionally more time and throughput flattens. Chapter 8 profiles this regime in detail.
 # Below the flat part, gradient accumulation cannot help either: it runs the small batch's kernels several
@@ -729,7 +729,11 @@ freed = cleanup.free(globals(), "model_run", "model_big", "runs", "small", "g_bi
 # that a configuration that does not fit a 15 GB card fails here too. Time is per optimizer step (`time_it`, as
 # in section 3.1); throughput counts the samples of the effective batch. The two comparisons the text draws,
 # batch 1 x 4 against batch 4 and batch 4 x 4 against a real batch 16 (on the whole card), are timed again with
-# `timing.interleaved`.
+# `timing.interleaved`. The guide's memory column is [NVML](https://gpu-efficient-training.github.io/book/book/glossary.html#nvml) *used*, from a run with eager attention and
+# transformers' own AdamW (chapter 1, section 1.2); ours runs SDPA and PyTorch's AdamW, and the text under the figure
+# divides [peak allocated](https://gpu-efficient-training.github.io/book/book/glossary.html#peak-allocated-memory) memory. With SDPA the activations are a smaller part of the peak, so a smaller
+# micro-batch saves a smaller share of it than in the guide: compare the direction, not the ratio (the table also
+# gives NVML *used*).
 
 # %%
 def update_fn(name, model, optimizer, micro_size, steps_per_update):
@@ -947,8 +951,8 @@ else:
 # times each after a warm-up run, and compare time and peak memory. Each `Trainer.train()` call builds its data
 # loader again and reuses the optimizer it created in the first call, as the hand-written loop reuses its own;
 # the loop's optimizer is deleted before the `Trainer` runs, so that each peak holds one set of AdamW states.
-# The table's times are taken one after the other; the comparison in the text comes from `timing.interleaved`
-# afterwards (the loop with an optimizer of its own again, the two calls in alternating rounds).
+# The comparison in the text comes from `timing.interleaved` afterwards (the loop again with an optimizer of its
+# own).
 
 # %%
 n_epoch = prof.pick(tiny=16, full=16)

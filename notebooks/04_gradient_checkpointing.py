@@ -37,7 +37,7 @@
 #
 # **Prerequisites:** chapter 1 (activations, `SavedTensorMeter`, the emulated T4) and chapter 3 (the batch
 # sweep, `helpers.batching`). The [setup page](https://gpu-efficient-training.github.io/book/book/setup.html) explains the run profiles. Sentences that quote
-# numbers are written by the notebook from its own run, so on your machine they describe your run.
+# numbers are written by the notebook from its own run.
 
 # %%
 import sys
@@ -76,9 +76,8 @@ prof = env.start()  # plot style, number format, run profile; the table below na
 # baseline, which the last cell checks. We also ask what this GPU can do: fused attention kernels and bf16
 # [tensor cores](https://gpu-efficient-training.github.io/book/book/glossary.html#tensor-cores) need compute capability 8.0 or newer (`gpus.capability()`), and section 4.4 picks its
 # 16-bit type with `gpus.amp_dtype()` (bf16 there, fp16 on older GPUs such as the T4). Times come from
-# chapter 8's `timing.time_it` (ten repeats after warm-up, with spread, GPU time and the [GPU-busy](https://gpu-efficient-training.github.io/book/book/glossary.html#gpu-busy) fraction), and
-# comparisons from `timing.interleaved`: the two sides in alternating rounds, the median of the per-round ratios
-# with its 95% interval, and "faster" or "slower" only when the whole interval lies beyond ±3%.
+# chapter 8's `timing.time_it` (with the [GPU-busy](https://gpu-efficient-training.github.io/book/book/glossary.html#gpu-busy) fraction) and comparisons from `timing.interleaved`,
+# as in chapter 3.
 
 # %%
 from IPython.display import Markdown, display
@@ -480,13 +479,12 @@ freed = cleanup.free(globals(), "block", "block_x", "plain_grads", "ckpt_grads",
 # chapter 3 in the sources' setups: bert-large in fp32 at 512 tokens, and the 1.3B GPT-NeoX with fp16 weights,
 # eager attention and 256 tokens: bert-large at batches 8 to 32, the 1.3B model at 4 to 32. The 1.3B model's small
 # batches are host-bound on purpose (chapter 3's picture of a host-bound step); bert-large's batch 4 is left out
-# because its checkpointed step sits at the edge between host-bound and [GPU-bound](https://gpu-efficient-training.github.io/book/book/glossary.html#gpu-bound) (two H100 runs put it on either
-# side), where the host's speed, not checkpointing, would decide the cost. For each batch size, with and without checkpointing: the [peak allocated](https://gpu-efficient-training.github.io/book/book/glossary.html#peak-allocated-memory)
+# because its checkpointed step sits at the edge between host-bound and [GPU-bound](https://gpu-efficient-training.github.io/book/book/glossary.html#gpu-bound), where the host's speed, not
+# checkpointing, would decide the cost. For each batch size, with and without checkpointing: the [peak allocated](https://gpu-efficient-training.github.io/book/book/glossary.html#peak-allocated-memory)
 # memory of a training step and its time, with `time_it` (ten steps after a warm-up step, their spread, the GPU
 # kernel time and the GPU-busy fraction from two profiled steps). What checkpointing costs is then measured with
-# `timing.interleaved` (chapter 8): the plain and the checkpointed step in alternating rounds on the same model and
-# batch, the switch flipped (untimed) before each, so that the host's drift between two separate blocks of steps
-# cannot pass for a cost.
+# `timing.interleaved`: the plain and the checkpointed step in alternating rounds on the same model and batch, the
+# switch flipped (untimed) before each.
 #
 # To compare with theory we also time the forward pass alone. Checkpointing recomputes the transformer layers,
 # not the embeddings, the output head or the loss, so for the 1.3B model we also time the forward pass of its
@@ -911,9 +909,8 @@ else:
 # **The Hugging Face guide's rows.** The guide adds checkpointing to bert-large at batch 1 with 4 accumulation
 # steps (on a V100: 66.03 s and 8,681 MiB without, 85.47 s and 6,775 MiB with, for 512 samples). The same pair
 # here, with chapter 3's accumulation loop, time per optimizer step (the table: `time_it` for each; the
-# comparison: `timing.interleaved`, the two in alternating rounds). The GPU-busy fractions in the sentence under
-# the table come from the alternating rounds' own profiled steps, divided by that side's median time in the rounds,
-# so they can differ by several points from the table's, which `time_it` measured on each configuration alone:
+# comparison: `timing.interleaved`; the GPU-busy fractions in the sentence under the table come from its
+# alternating rounds, not from the table's separate runs, and need not match them):
 
 # %%
 def accumulate(model, optimizer, micro_batches):
@@ -996,7 +993,7 @@ else:
 # **Selective checkpointing.** [Korthikanti et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html) observe that the parts of a transformer layer
 # that store the most are not the parts that compute the most: the attention matrix, its softmax and dropout (the
 # $5as^2b$ bytes of chapter 1's formula) cost few FLOPs and many bytes. They recompute only those. A fused
-# attention kernel already does exactly that: FlashAttention ([Dao et al., 2022](https://gpu-efficient-training.github.io/book/book/references.html)) and PyTorch's SDPA with its
+# attention kernel already does exactly that: FlashAttention of [Dao et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html) and PyTorch's SDPA with its
 # flash or memory-efficient kernel never store the matrix and rebuild it in the backward pass. SDPA's math
 # fallback, which it uses when no fused kernel supports the inputs (bf16 below compute capability 8.0, for
 # one), stores it like eager attention; the stack below uses `gpus.amp_dtype()` (fp16 on such GPUs) and checks
@@ -1014,10 +1011,9 @@ else:
 # of 512 tokens: bytes kept for backward on the device (`SavedTensorMeter`, entered inside `save_on_cpu`: it sees
 # every saved tensor, lets `save_on_cpu` move it, and counts what stays on the device) and the peak allocated
 # memory above the weights (GPU). At batch 8 such a short pass keeps the GPU busy only part of the time (the
-# column *GPU busy, batch 8*): its wall time is the host's launching, which says nothing about recomputed FLOPs. So
-# the time is measured where the recomputation's cost is physical, at batch 64 (the activations, and with them
-# every mode's kept bytes, grow in proportion), with `timing.interleaved` against storing everything: the two
-# passes in alternating rounds, the median of the per-round ratios with its 95% interval. The last column is the
+# column *GPU busy, batch 8*), so its wall time says nothing about recomputed FLOPs; the time is measured at batch
+# 64, where the recomputation's cost is physical (the activations, and with them every mode's kept bytes, grow in
+# proportion), interleaved against storing everything. The last column is the
 # share of the forward FLOPs that is recomputed (matrix products only: $8h^2 + 4sh$ per token for attention,
 # $16h^2$ for the MLP).
 

@@ -721,9 +721,8 @@ else:
 # backward pass, and uses bitsandbytes' 8-bit optimizer instead of fused AdamW. Whether any of that shows in the
 # step time depends on what limits the step; the middle configuration again separates the two changes.
 # The table has `time_it`'s medians, spreads and verdicts from the runs above, with the GPU kernel time beside them.
-# Those runs were timed one after the other; the comparisons come from `timing.interleaved` (chapter 8), one change
-# at a time, the two configurations alive together on the whole GPU and their steps (`steps.make_step`) in
-# alternating rounds: LoRA against full fine-tuning with autocast (where that does not fit, as on a real T4, the
+# The comparisons come from `timing.interleaved` (as in chapter 3), one change at a time, with both configurations
+# alive on the whole GPU: LoRA against full fine-tuning with autocast (where that does not fit, as on a real T4, the
 # pair is skipped), the 8-bit optimizer against fused AdamW on the same LoRA model, and the 4-bit base against the
 # 16-bit one, both with the 8-bit optimizer:
 
@@ -1160,8 +1159,10 @@ ft[summary_cols].astype(object).where(ft[summary_cols].notna(), "—")
 #   parameter, 18 with autocast's 16-bit copies) rival the frozen base and, at this chapter's 1,024 tokens per step,
 #   the activations.
 # - From bytes per parameter alone, LoRA's 350 GB and 35 MB for GPT-3, QLoRA's "more than 780 GB" and its 65B model
-#   on a 48 GB card follow; the paper's 1.2 TB for full fine-tuning of GPT-3 is matched only approximately (8 bytes
-#   per parameter give 1.27 TiB).
+#   on a 48 GB card follow; the paper's 1.2 TB for full fine-tuning of GPT-3 is matched only approximately, and only
+#   by an unrealistic count: 8 bytes per parameter (fp16 weights, gradients and Adam states with no fp32 master copy,
+#   the recipe that chapter 1 showed breaks training) give 1.27 TiB, while mixed-precision Adam's 16 bytes give twice
+#   that.
 
 # %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
 # @title Sentences from this run's numbers (Summary)
