@@ -317,6 +317,7 @@ def baselines(s: Setup) -> dict[str, int]:
     Math 101 does give bytes per parameter for other optimizers (e.g. 8-bit states) and ``2*s*b*h*L``
     for fully recomputed activations; this column uses its mixed-precision AdamW and no-recomputation
     formulas on every setup.
+
     - ``PLAYBOOK`` (``"Ultra-Scale Playbook: mixed-precision states + m_act"``): the Ultra-Scale
       Playbook (Tazi et al. 2025), ``playbook_bytes``: 16 bytes per parameter plus its ``m_act`` with the
       ``5 * n_heads * seq / h`` term on every row.
