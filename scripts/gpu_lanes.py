@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -143,6 +144,23 @@ def notebook(chapter: str) -> str:
     return found[0]
 
 
+def private_copy(path: str, tree: Path) -> str:
+    """A copy of the chapter's folder (``notebooks/``: the notebook and its launched scripts) under ``tree``.
+
+    A kernel runs in its notebook's folder, and chapters write files there by relative path (chapter 8's
+    ``traces/*.json.gz``). A check copy executed beside the same chapter's ``out`` run would write the same
+    files at the same time: on 2026-11-28 chapter 8's check copy read a trace the other run was rewriting and
+    stopped with ``BadGzipFile``. So a check copy runs from its own copy of the folder; helpers still come from
+    the repository (``PYTHONPATH``), and the stamp hashes the copy's cells and scripts, which are the same.
+    """
+    src = Path(path).parent
+    dst = tree / src.name
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("traces", "__pycache__", ".ipynb_checkpoints"))
+    return str(dst / Path(path).name)
+
+
 def run_lane(lane: Lane, index: int, res: Path, per_gpu: int) -> None:
     log = open(res / f"lane{index}.log", "a", buffering=1)
     if lane.waits_for:
@@ -153,7 +171,8 @@ def run_lane(lane: Lane, index: int, res: Path, per_gpu: int) -> None:
         out.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, item.gpus)), PYTHONUNBUFFERED="1")
         cmd = ["taskset", "-c", cores(item, per_gpu), sys.executable, "scripts/execute_notebooks.py", "--out", str(out),
-               notebook(item.chapter)]
+               private_copy(notebook(item.chapter), res / f"tree_{item.key}") if item.tag == "chk"
+               else notebook(item.chapter)]
         t0 = time.time()
         log.write(f"== {item.key} on GPU(s) {item.gpus}, cores {cores(item, per_gpu)}\n")
         with open(res / f"log_{item.key}.txt", "w") as f:
@@ -209,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     with tarfile.open(out / "results.tgz", "w:gz") as tar:
         for p in args.res.iterdir():
-            tar.add(p, arcname=p.name)
+            if not p.name.startswith("tree_"):  # the check copies' private folders: sources, not results
+                tar.add(p, arcname=p.name)
     print("collected", (out / "results.tgz").stat().st_size)
     return 0
 

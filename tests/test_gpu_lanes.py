@@ -44,3 +44,21 @@ def test_check_prints_the_lanes_or_refuses(capsys):
     assert "out_04 on GPU(s) [1], cores 16-31, then out_01" in capsys.readouterr().out
     assert gpu_lanes.main(["check", "2-3:07;3:03"]) == 2
     assert "plan refused" in capsys.readouterr().err
+
+
+def test_a_check_copy_runs_from_a_private_copy_of_the_chapter_folder(tmp_path):
+    # Two executions of one chapter in one folder write the same relative files (chapter 8's traces): on
+    # 2026-11-28 the check copy crashed reading a trace the other run was rewriting.
+    src = tmp_path / "repo" / "notebooks"
+    (src / "scripts").mkdir(parents=True)
+    (src / "traces").mkdir()
+    (src / "08_profiling.ipynb").write_text("{}")
+    (src / "scripts" / "bench.py").write_text("print(1)")
+    (src / "traces" / "old.json.gz").write_text("x")
+    copy = Path(gpu_lanes.private_copy(str(src / "08_profiling.ipynb"), tmp_path / "res" / "tree_chk_08"))
+    assert copy == tmp_path / "res" / "tree_chk_08" / "notebooks" / "08_profiling.ipynb"
+    assert copy.read_text() == "{}" and (copy.parent / "scripts" / "bench.py").exists()
+    assert not (copy.parent / "traces").exists()  # the other run's files are not carried over
+    (copy.parent / "stale.txt").write_text("from an earlier call")
+    again = Path(gpu_lanes.private_copy(str(src / "08_profiling.ipynb"), tmp_path / "res" / "tree_chk_08"))
+    assert again == copy and not (copy.parent / "stale.txt").exists()  # a fresh copy each time
