@@ -181,7 +181,8 @@ exit_code = plan.main(["--model", "gpt-neox-1.3b", "--batch", "4", "--seq", "256
 # - **held-out** (`plan.heldout_setups()`, frozen in `helpers/plan/heldout.py` before the planner learned
 #   grouped-query attention, a `use_cache` setting or a reserved-memory margin, and before any of them ran):
 #   19 setups shaped after Llama-3-8B, Llama-3.2-1B, TinyLlama, Mistral-7B and Qwen2.5 (0.5B and 1.5B), built
-#   from their configs with random weights (the 7B/8B shapes keep 2 or 4 of their blocks), families on which
+#   from their configs with random weights (the 7B/8B shapes keep 2 or 4 of their blocks, so their vocabulary
+#   matrices weigh far more in them than in the real models, and so do the loss and head terms), families on which
 #   none of the planner's terms was corrected or fitted: their terms were counted exactly on tiny models on a
 #   CPU, and never checked against a GPU measurement before these rows ran. They cover grouped-query attention, the
 #   generation cache on and off, up to 4096 tokens, peft's standard QLoRA recipe
@@ -194,7 +195,8 @@ exit_code = plan.main(["--model", "gpt-neox-1.3b", "--batch", "4", "--seq", "256
 #   terms were checked and corrected on.
 #
 # The error of a row is (predicted − measured) / measured: negative means the planner promises memory the
-# run does not have.
+# run does not have. A row counts as under-predicted at any negative error, however small; the size of each
+# miss is in the table's error column, and the largest negative one is what a safety margin has to cover.
 
 # %%
 heldout = plan.heldout_setups(prof.pick(tiny="tiny", full="full"))  # tiny: the same recipes on CPU-sized twins
@@ -268,7 +270,10 @@ display(Markdown(plan.describe_heldout(heldout_errors)))
 # (`plan.baseline_domains` says, row by row, whether a setup lies inside each one's domain). Rows with adapters,
 # other optimizers, checkpointing, fp32 or pure 16-bit weights are outside what they claim to cover, and their
 # errors there say as much about the domain as about the formula; the rows inside it are the autocast AdamW
-# rows without adapters or checkpointing (#5–7, 18–20 and 29), the ones to read for a fair comparison.
+# rows without adapters or checkpointing (#5–7, 18–20 and 29), the ones to read for a fair comparison. On
+# those rows the weights are fp32, so four times their bytes is 16 bytes per parameter: there the
+# *4 × model size* and *ZeRO model states* columns are the same number, and five estimators give four
+# distinct predictions.
 
 # %%
 validation_setups = plan.VALIDATION_SETUPS
@@ -419,7 +424,8 @@ else:
 # promises memory the run does not have. The planner's error here is an in-sample error: these are the rows
 # its terms were checked and corrected on (the key/value-cache term below was added after the book's first
 # run of this table). For a setup of your own, the held-out error above is the better guide. When a plan
-# comes close to the budget, leave a margin of at least the planner's held-out maximum error, plus the
+# comes close to the budget, leave a margin of at least the planner's largest held-out *under*-prediction (an
+# over-prediction wastes memory but does not run out of it), plus the
 # allocator's fragmentation (reserved minus allocated, chapter 8), which a peak of *allocated* memory does
 # not include: the command line keeps a stated 5% above the predicted peak before it says "fits"
 # (`--margin-pct` changes it; chapter 8, section 8.5, measures that slack with and without `expandable_segments`).
@@ -525,7 +531,10 @@ else:
 # the fused query/key/value output instead of a copy (4 more bytes per token and hidden unit in 16 bits).
 # `plan.Setup(..., use_cache=False)` (`--no-cache` on the command line) plans that loop, and with
 # grouped-query attention (Llama-3, Mistral, Qwen2) the cache and the saved keys and values are as narrow as
-# the key/value heads: both were added after the held-out set was frozen, and the held-out rows test them.
+# the key/value heads: both were added after the held-out set was frozen. The held-out rows test the narrow
+# saved keys and values, which are alive at a backward-pass peak. The cache itself lives only through the
+# forward pass (the loop drops the model's output before `backward()`), so a row tests the cache term only
+# when its peak falls in the forward pass: the phase columns of the held-out table say which rows do.
 
 # %% [markdown]
 # For the three rows with the largest errors, the predicted breakdown (GiB) beside the measured peak:
@@ -582,6 +591,8 @@ term_table if len(worst_rows) else print("skipped on CPU: no measured rows" if n
 # fused kernel skips about half of it: the 1.3B's MFU is higher under this convention than under one that
 # counts causal attention at half. The table below also gives MFU under two other conventions (6N alone,
 # and causal attention at half), so that a number from a paper can be set beside the one that matches it.
+# (bert-large's pooler and classifier run on one token per sequence; counting their parameters for every
+# token, as this convention does, adds a fraction of a per cent to its FLOPs.)
 #
 # **What to expect.** The chapter aims for 10 times the vanilla throughput, and for an MFU of 42% on
 # bert-large and 45% on the 1.3B model: targets of this book, not published results. For scale, the
@@ -702,6 +713,11 @@ def judge(model, name, prev, cur, optimizers, stances=None):
 # against both ceilings (and under the two other conventions), the speed-up over the rung before with its
 # interval and verdict, the memory and the profiler's evidence (the GPU-busy fraction, and the GPU time: the
 # summed kernel time of a profiled step). The table is shown in two parts: the climb, then the evidence.
+# Each row's throughput comes from the rounds that judged that rung; its speed-up from the same rounds. A
+# rung is also timed a second time, as "the rung before" in the next rung's rounds, and where it is
+# host-bound (GPU busy well under 90%) the CPU can run it at another speed there. So the ratio of two rows'
+# tokens/s can differ from the speed-up column: the speed-up and its interval, measured side by side in one
+# set of rounds, are the comparison; the tokens/s column is each rung's own level.
 
 # %%
 CLIMB_COLUMNS = ["batch", "attention", "precision", "AdamW", "compiled", "tokens/s", "MFU vs datasheet (%)",
@@ -971,9 +987,10 @@ fig.suptitle("the speed ladder: " + ("; ".join(
 fig.tight_layout()
 
 # %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
-# @title A rung's label without its number
+# @title Sentences from this run's numbers (10.3 The speed ladder, both models)
+# Sentences from this run's numbers (10.3 The speed ladder, both models)
 def short(label):
-    """A rung's label without its number: ``"2 + bf16 autocast"`` → ``"+ bf16 autocast"``."""
+    # a rung's label without its number, "2 + bf16 autocast" → "+ bf16 autocast"
     return label.split(" ", 1)[1]
 
 
@@ -1190,9 +1207,10 @@ elif run_profile.cuda_or_skip("running the recipe needs a GPU (the plan above is
     display(recipe_table)
 
 # %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
-# @title This GPU's dense 16-bit FLOP/s and bandwidth over a T4's, from helpers.flops' datasheet…
+# @title Sentences from this run's numbers (10.4 The T4 recipe)
+# Sentences from this run's numbers (10.4 The T4 recipe)
 def t4_fraction():
-    """This GPU's dense 16-bit FLOP/s and bandwidth over a T4's, from helpers.flops' datasheet tables."""
+    # this GPU's dense 16-bit FLOP/s and bandwidth over a T4's, from helpers.gpus' datasheet tables
     name = torch.cuda.get_device_name()
     try:
         return (gpus.peak_tflops(name, AMP) / gpus.PEAK_TFLOPS["T4"]["fp16"],
