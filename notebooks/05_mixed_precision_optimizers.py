@@ -1585,9 +1585,9 @@ cleanup.free(globals(), "model", "optimizer", "ec_batch")
 empty_cache
 
 # %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
-# @title The cost of empty_cache() after every forward pass (interleaved), against the…
+# @title The cost of empty_cache() after each forward pass, interleaved, against the documented 10%
 def empty_cache_cost(c, documented=0.10):
-    """The cost of empty_cache() after every forward pass (interleaved), against the documentation's 10%."""
+    """The cost of empty_cache() after each forward pass, interleaved, against the documented 10%."""
     cost, lo, hi = 1 / c.speedup - 1, 1 / c.hi - 1, 1 / c.lo - 1
     text = (f"Emptying the cache after every forward pass changed the step time by {cost:+.1%} (95% interval "
             f"{lo:+.1%} to {hi:+.1%}, {c.rounds} interleaved rounds of bert-large's step at batch 4, "

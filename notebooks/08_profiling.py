@@ -474,10 +474,10 @@ top = profiles_by_config[big_bert].top_kernels(10, width=70) if big_bert in prof
 top
 
 # %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
-# @title One bullet per model (busy, step time, host enqueue, verdict) and one on the host-bound…
+# @title The regime of each configuration
 def regime_lines(r):
-    """One bullet per model (busy, step time, host enqueue, verdict) and one on the host-bound rows; ``r``:
-    the step table's rows of the configurations that fit, indexed by (model, batch)."""
+    """The regime of each configuration: one bullet per model (busy, step time, host enqueue, verdict) and one
+    on the host-bound rows; ``r``: the step table's rows of the configurations that fit, indexed by (model, batch)."""
     lines = []
     for name in dict.fromkeys(m for m, _ in r.index):
         lines.append(f"- **{name}**, " + "; ".join(
@@ -832,10 +832,10 @@ if run_profile.cuda_or_skip("CUDA graphs need a GPU"):
         display(comps["CUDA graph"].b.profile.top_kernels(6, width=70).rename_axis("kernels of the replay"))
 
 # %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
-# @title The graph's comparison and the capturable optimizer's, each against the ordinary eager…
+# @title The CUDA graph and the capturable AdamW, each against the ordinary eager step
 def graph_text(cap_c, graph_c, cats, loop):
-    """The graph's comparison and the capturable optimizer's, each against the ordinary eager step, with the
-    attention kernel read from ``cats`` (GPU ms per step by category; columns eager, CUDA graph)."""
+    """The CUDA graph and the capturable AdamW, each against the ordinary eager step; the attention kernel's
+    time is read from ``cats`` (GPU ms per step by category; columns eager, CUDA graph)."""
     e, g = graph_c.a, graph_c.b
     us = timing.us_per_launch(e)
     text = [f"Timed interleaved against the ordinary eager step ({loop} steps back to back per sample), the replayed "
