@@ -124,8 +124,8 @@ else:
 # 64, 32, 16, 8 and 4 sequences whose fp32 step fits the GPU's free memory by the prediction of `plan.predict`, the
 # memory planner of [chapter 10](https://gpu-efficient-training.github.io/book/notebooks/10_capstone.html): 64 (32,768 tokens, about 54 GiB in fp32) on an 80 GB GPU, 32 on a
 # 40 GB one, 8 on a 15 GB T4. It is that large so that even the 16-bit steps keep the GPU busy: at 32 x 512 an H100
-# finishes a bf16 step's kernels in about the time the host needs to issue them, and the GPU-busy fraction moved
-# between 83% and 95% from one run to the next. The tiny CPU profile uses 2 x 64.
+# finishes a bf16 step's kernels in about the time the host needs to issue them, and its GPU-busy fraction landed on
+# either side of the 90% line from one run to the next. The tiny CPU profile uses 2 x 64.
 
 # %%
 RECIPES = {"fp32": None, "tf32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -279,7 +279,10 @@ print(f"{len(runs)} recipes x {kw_steps} steps, batch {kw_batch} x {kw_seq} toke
 # and bf16 autocast, the gradient of every linear layer's weight is computed by a 16-bit matrix product and only
 # cast to fp32 on its way into `.grad`. The table gives the median step time of ten timed steps at the training
 # size, the [peak allocated](https://gpu-efficient-training.github.io/book/book/glossary.html#peak-allocated-memory) memory over the three training steps (GPU only) and the bytes saved for backward by one
-# forward pass of a training batch.
+# forward pass of a training batch. Its last column divides fp32's median by each recipe's: two blocks of steps
+# timed one after the other, which chapter 8 (section 8.1) shows can differ by more than their spread when the host
+# sets the pace, as it does at this size. It is a reading of the blocks, not a comparison; the comparison of the
+# recipes' speed comes after the seeds, from alternating rounds.
 
 # %%
 mp = pd.DataFrame({
@@ -537,7 +540,7 @@ display(Markdown(text))
 # step's work), the GPU-busy fraction (the share of the wall time in which some kernel ran), the number of GPU
 # operations per step, their total GPU kernel time, the GPU time of the copy kernels, which include every dtype cast
 # autocast makes, and the peak allocated memory at each size (GPU only). It gives the GPU-busy share without a
-# host-bound/GPU-bound word: a row near a band's edge (fp32's small step lands between 80% and 95% busy) would
+# host-bound/GPU-bound word: a row near a band's edge (fp32's small step lands near the 90% line) would
 # change its word from one run to the next, while the share says what it is. Those rows were timed one recipe after the
 # other, as separate blocks. The comparisons the text draws come from `timing.interleaved` (chapter 8) instead: one
 # fp32 bert-large and its AdamW, each recipe's step (`steps.make_step`, with the autocast dtype and, for fp16, a
@@ -871,9 +874,10 @@ freed = cleanup.free(globals(), "model", "g_ref", "g_fp16", "g_scaled", "nonzero
 # %% [markdown]
 # ## 5.3 When mixed precision raises the peak
 #
-# The Hugging Face guide's table of single-GPU techniques warns that mixed precision can *increase* memory for a
-# large model at a small batch, and save memory for a small model at a large batch. Section 5.1 shows why either
-# can happen: autocast adds about 2 bytes per parameter of weight copies and shrinks the activations (to the ratio
+# The Hugging Face guide's table of single-GPU techniques gives mixed precision's effect on memory as "depends", and
+# its text warns that mixed precision can *increase* memory, especially at small batch sizes, because the model is
+# then on the GPU in both 16 and 32 bits; at a large batch, smaller activations save memory. Section 5.1 shows why
+# either can happen: autocast adds about 2 bytes per parameter of weight copies and shrinks the activations (to the ratio
 # measured there, not to half). Which wins depends on what else is alive when the copies are. If the gradients of
 # the previous step are freed (`zero_grad(set_to_none=True)`, PyTorch's default), the copies are gone before the
 # gradients are complete, so at small batches the peak (weights, gradients and [optimizer states](https://gpu-efficient-training.github.io/book/book/glossary.html#optimizer-states) at the end of
@@ -973,10 +977,11 @@ display(Markdown(text))
 # The optimizer states are the largest part of the 16 bytes. The rules of the Hugging Face guide
 # ([Hugging Face, efficient training on one GPU](https://gpu-efficient-training.github.io/book/book/references.html)): AdamW keeps 8 bytes per parameter (two
 # fp32 states), SGD with momentum 4 (one), and an 8-bit optimizer 2. Adafactor
-# ([Shazeer and Stern (2018)](https://gpu-efficient-training.github.io/book/book/references.html)) keeps, for each weight matrix, only the row and column sums of
-# the squared gradients (and no first moment in the Trainer's setting), so its states are almost nothing. The 8-bit
-# AdamW of bitsandbytes ([Dettmers et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html)) stores both states in 8 bits with one
-# fp32 scale per block of 256 values (block-wise quantization, as in chapter 2); tensors smaller than 4,096 values
+# ([Shazeer and Stern (2018)](https://gpu-efficient-training.github.io/book/book/references.html)) keeps, for each weight matrix, only running averages of the row
+# and column sums of the squared gradients (and no first moment in the Trainer's setting), so its states are almost
+# nothing. The 8-bit AdamW of bitsandbytes ([Dettmers et al. (2022)](https://gpu-efficient-training.github.io/book/book/references.html)) stores both states in 8
+# bits with one fp32 scale per block of 256 values (block-wise quantization, as in chapter 2; the paper's blocks
+# held 2,048 values, the library's optimizers use 256); tensors smaller than 4,096 values
 # (biases, layer norms) keep fp32 states. The paged variant allocates the states of tensors with at least 100,000
 # values in CUDA unified memory, which the driver can move to the CPU's RAM when the GPU runs out, instead of
 # failing; smaller tensors get ordinary GPU tensors.
@@ -1511,6 +1516,9 @@ freed = cleanup.free(globals(), "small_bert")
 # steps, the first three left out) and reading the allocator's peaks. Those two runs are two separate blocks of
 # steps; the comparison of their speed comes from `timing.interleaved`, with the same step written out (the
 # `empty_cache()` call where the Trainer makes it, after the forward pass) and the two versions in alternating rounds.
+# After the forward pass the activations are still alive and hold most of the step's blocks, so less is handed back
+# than after a whole step. Chapter 8 (section 8.5) empties the cache after the whole step instead, when every
+# activation block is free and the next step must `cudaMalloc` all of them again, and measures that cost.
 
 # %%
 from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -1577,9 +1585,9 @@ cleanup.free(globals(), "model", "optimizer", "ec_batch")
 empty_cache
 
 # %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
-# @title The cost of empty_cache() after every forward pass (interleaved), against the…
+# @title The cost of empty_cache() after each forward pass, interleaved, against the documented 10%
 def empty_cache_cost(c, documented=0.10):
-    """The cost of empty_cache() after every forward pass (interleaved), against the documentation's 10%."""
+    """The cost of empty_cache() after each forward pass, interleaved, against the documented 10%."""
     cost, lo, hi = 1 / c.speedup - 1, 1 / c.hi - 1, 1 / c.lo - 1
     text = (f"Emptying the cache after every forward pass changed the step time by {cost:+.1%} (95% interval "
             f"{lo:+.1%} to {hi:+.1%}, {c.rounds} interleaved rounds of bert-large's step at batch 4, "

@@ -474,10 +474,10 @@ top = profiles_by_config[big_bert].top_kernels(10, width=70) if big_bert in prof
 top
 
 # %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
-# @title One bullet per model (busy, step time, host enqueue, verdict) and one on the host-bound…
+# @title The regime of each configuration
 def regime_lines(r):
-    """One bullet per model (busy, step time, host enqueue, verdict) and one on the host-bound rows; ``r``:
-    the step table's rows of the configurations that fit, indexed by (model, batch)."""
+    """The regime of each configuration: one bullet per model (busy, step time, host enqueue, verdict) and one
+    on the host-bound rows; ``r``: the step table's rows of the configurations that fit, indexed by (model, batch)."""
     lines = []
     for name in dict.fromkeys(m for m, _ in r.index):
         lines.append(f"- **{name}**, " + "; ".join(
@@ -744,12 +744,13 @@ else:
 # between steps that a loop allows.
 #
 # One detail decides what the graph replays. The batch has no padding, and eager transformers drops an all-ones
-# `attention_mask` so that [SDPA](https://gpu-efficient-training.github.io/book/book/glossary.html#sdpa) can pick its fused attention kernel. While capturing, transformers (5.17, this
-# book was written with) treats the capture like `torch.compile`'s tracing: called with no mask, it builds an expanded
-# all-True mask that the fused kernels cannot take, and attention falls back to SDPA's *math* path, batched
-# matrix products and a softmax that upcast 16-bit inputs to fp32. Passing the batch's all-ones mask
-# explicitly keeps the fused kernel. Chapter 9 (section 9.4) probes this; here the batch carries its mask, and
-# the category table below shows which attention kernel the replay ran.
+# `attention_mask` so that [SDPA](https://gpu-efficient-training.github.io/book/book/glossary.html#sdpa) can pick its fused attention kernel. While capturing, transformers (5.17, the
+# version this chapter was run with) treats the capture like `torch.compile`'s tracing: called with no mask, it builds
+# an expanded all-True mask that the fused kernels cannot take, and attention falls back to SDPA's *math* path,
+# batched matrix products and a softmax that upcast 16-bit inputs to fp32. Passing the batch's all-ones mask
+# explicitly keeps a fused attention kernel, though not necessarily the one the eager step runs. Chapter 9 (section
+# 9.4) probes this; here the batch carries its mask, and the category table below shows whether the replay still
+# ran attention kernels, and for how long.
 
 # %%
 GRAPH_LOOP = 3  # steps back to back in every timed sample, as a training loop runs them
@@ -831,10 +832,10 @@ if run_profile.cuda_or_skip("CUDA graphs need a GPU"):
         display(comps["CUDA graph"].b.profile.top_kernels(6, width=70).rename_axis("kernels of the replay"))
 
 # %% cellView="form" jupyter={"source_hidden": true} tags=["remove-input"]
-# @title The graph's comparison and the capturable optimizer's, each against the ordinary eager…
+# @title The CUDA graph and the capturable AdamW, each against the ordinary eager step
 def graph_text(cap_c, graph_c, cats, loop):
-    """The graph's comparison and the capturable optimizer's, each against the ordinary eager step, with the
-    attention kernel read from ``cats`` (GPU ms per step by category; columns eager, CUDA graph)."""
+    """The CUDA graph and the capturable AdamW, each against the ordinary eager step; the attention kernel's
+    time is read from ``cats`` (GPU ms per step by category; columns eager, CUDA graph)."""
     e, g = graph_c.a, graph_c.b
     us = timing.us_per_launch(e)
     text = [f"Timed interleaved against the ordinary eager step ({loop} steps back to back per sample), the replayed "
@@ -1141,7 +1142,8 @@ if snap is not None:
 #   larger than the cap we set, so the failure is PyTorch's own limit, standing in for what a smaller card's
 #   memory would refuse);
 # - **this process has ... memory in use**: everything this process holds, the [CUDA context](https://gpu-efficient-training.github.io/book/book/glossary.html#cuda-context) included;
-#   **... allowed**: the cap, when one was set with `set_per_process_memory_fraction`;
+#   **... allowed**: the cap, when one was set with `set_per_process_memory_fraction`. It limits what the
+#   allocator *reserves* from the driver, so cached blocks that no tensor uses count against it too;
 # - **allocated by PyTorch**: live tensors (of which some may sit in *private pools*, the memory CUDA
 #   graphs keep for themselves); **reserved by PyTorch but unallocated**: cached blocks that no tensor
 #   uses. When that last number is large, memory exists but in pieces too small for the request
